@@ -1,0 +1,198 @@
+"""The engine against `model.generate`, on tiny random models loaded through `from_pretrained`."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engine.conftest import load, reference_greedy
+from worker.engine.errors import EngineFailed
+from worker.engine.types import Delta, EngineRequest, FinishReason, SamplingParams
+
+
+def greedy(max_new_tokens: int, **kwargs: Any) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0, **kwargs)
+
+
+def mixed_prompts(vocab: int, count: int = 16, seed: int = 1) -> list[tuple[list[int], int]]:
+    """(prompt ids, max_new_tokens) of mixed lengths; ids avoid the three special tokens."""
+    rng = random.Random(seed)
+    return [([rng.randrange(3, vocab) for _ in range(rng.randint(1, 90))], rng.randint(1, 40)) for _ in range(count)]
+
+
+async def collect(stream: Any) -> list[Delta]:
+    return [delta async for delta in stream]
+
+
+def tokens_of(deltas: list[Delta]) -> list[int]:
+    return [token for delta in deltas for token in delta.token_ids]
+
+
+def text_of(deltas: list[Delta]) -> str:
+    return "".join(delta.text for delta in deltas)
+
+
+@pytest.mark.parametrize("staggered", [False, True], ids=["together", "staggered"])
+async def test_greedy_matches_generate(tiny_model_dir: Path, make_engine: Any, staggered: bool) -> None:
+    reference_model, _ = load(tiny_model_dir)
+    engine = await make_engine(tiny_model_dir)
+    workload = mixed_prompts(engine.vocab_size, count=18)
+    expected = [reference_greedy(reference_model, ids, n) for ids, n in workload]
+
+    streams = []
+    for index, (ids, n) in enumerate(workload):
+        streams.append(
+            asyncio.ensure_future(collect(engine.submit(EngineRequest(f"r{index}", input_ids=ids, params=greedy(n)))))
+        )
+        if staggered:  # later requests join a batch that is already decoding
+            await asyncio.sleep(0.02 * (index % 4))
+    results = await asyncio.gather(*streams)
+
+    for index, deltas in enumerate(results):
+        assert tokens_of(deltas) == expected[index], f"request {index}"
+        assert [d.finish_reason for d in deltas].count(None) == len(deltas) - 1
+        assert deltas[-1].finish_reason in (FinishReason.EOS, FinishReason.LENGTH)
+    assert engine.stats().decode_tokens >= sum(len(e) for e in expected) - len(expected)
+
+
+async def test_sampled_and_greedy_share_a_batch(llama_dir: Path, make_engine: Any) -> None:
+    reference_model, _ = load(llama_dir)
+    engine = await make_engine(llama_dir)
+    workload = mixed_prompts(engine.vocab_size, count=8, seed=7)
+    sampled = [
+        engine.submit(
+            EngineRequest(
+                f"s{i}", input_ids=ids, params=SamplingParams(max_new_tokens=n, temperature=1.3, top_p=0.9, top_k=40)
+            )
+        )
+        for i, (ids, n) in enumerate(workload)
+    ]
+    greedy_streams = [
+        engine.submit(EngineRequest(f"g{i}", input_ids=ids, params=greedy(n))) for i, (ids, n) in enumerate(workload)
+    ]
+    greedy_out = await asyncio.gather(*(collect(s) for s in greedy_streams))
+    sampled_out = await asyncio.gather(*(collect(s) for s in sampled))
+    for (ids, n), deltas in zip(workload, greedy_out, strict=True):
+        assert tokens_of(deltas) == reference_greedy(reference_model, ids, n)
+    assert all(deltas[-1].finished for deltas in sampled_out)
+    assert sum(len(tokens_of(d)) for d in sampled_out) > 0
+
+
+async def test_prompt_and_chat_messages(llama_dir: Path, make_engine: Any) -> None:
+    engine = await make_engine(llama_dir)
+    tokenizer = engine.tokenizer
+    by_prompt = engine.submit(EngineRequest("p", prompt="The quick brown fox", params=greedy(8)))
+    by_ids = engine.submit(
+        EngineRequest("i", input_ids=tokenizer("The quick brown fox")["input_ids"], params=greedy(8))
+    )
+    chat = engine.submit(EngineRequest("c", messages=[{"role": "user", "content": "hi 😀"}], params=greedy(8)))
+    prompt_out, ids_out, chat_out = await asyncio.gather(collect(by_prompt), collect(by_ids), collect(chat))
+    assert tokens_of(prompt_out) == tokens_of(ids_out)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi 😀"}], add_generation_prompt=True, tokenize=False
+    )
+    assert chat_out[-1].prompt_tokens == len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+
+async def test_stop_string_ends_stream_without_it(llama_dir: Path, make_engine: Any) -> None:
+    engine = await make_engine(llama_dir)
+    ids = [5, 6, 7, 8]
+    full = text_of(
+        await collect(engine.submit(EngineRequest("full", input_ids=ids, params=greedy(30, ignore_eos=True))))
+    )
+    assert len(full) > 6
+    stop = full[3:6]
+    cut = full.find(stop)
+    deltas = await collect(
+        engine.submit(EngineRequest("stopped", input_ids=ids, params=greedy(30, stop=(stop, "never-seen"))))
+    )
+    assert text_of(deltas) == full[:cut]
+    assert deltas[-1].finish_reason == FinishReason.STOP
+    assert stop not in text_of(deltas)
+
+
+async def test_max_tokens_and_eos(llama_dir: Path, make_engine: Any) -> None:
+    model, tokenizer = load(llama_dir)
+    engine = await make_engine(llama_dir, model, tokenizer)
+    ids = [9, 10, 11]
+    free_run = tokens_of(
+        await collect(engine.submit(EngineRequest("len", input_ids=ids, params=greedy(12, ignore_eos=True))))
+    )
+    assert len(free_run) == 12
+    await engine.close()
+
+    # Make the 5th greedy token the EOS token: the stream must end there, with it, as `eos`.
+    model.generation_config.eos_token_id = free_run[4]
+    engine = await make_engine(llama_dir, model, tokenizer)
+    deltas = await collect(engine.submit(EngineRequest("eos", input_ids=ids, params=greedy(12))))
+    assert tokens_of(deltas) == free_run[: free_run.index(free_run[4]) + 1]
+    assert deltas[-1].finish_reason == FinishReason.EOS
+    ignoring = await collect(engine.submit(EngineRequest("ignore", input_ids=ids, params=greedy(12, ignore_eos=True))))
+    assert tokens_of(ignoring) == free_run and ignoring[-1].finish_reason == FinishReason.LENGTH
+
+
+async def wait_for(predicate: Any) -> None:
+    """Polls until the condition holds; fails after 5 s."""
+    async with asyncio.timeout(5):
+        while not predicate():  # noqa: ASYNC110 - the engine thread sets no event we could await
+            await asyncio.sleep(0.01)
+
+
+async def test_cancel_mid_stream_frees_kv(llama_dir: Path, make_engine: Any) -> None:
+    engine = await make_engine(llama_dir)
+    stream = engine.submit(EngineRequest("long", input_ids=[3, 4, 5], params=greedy(500, ignore_eos=True)))
+    other = engine.submit(EngineRequest("other", input_ids=[6, 7], params=greedy(10, ignore_eos=True)))
+    first = await anext(stream)
+    await wait_for(lambda: engine.stats().kv_blocks_used > 0)
+    assert engine.cancel("long")
+    rest = await collect(stream)
+    assert rest[-1].finish_reason == FinishReason.CANCELLED
+    assert len(tokens_of([first, *rest])) < 500
+    assert len(tokens_of(await collect(other))) == 10
+    await wait_for(lambda: engine.stats().kv_blocks_used == 0 and engine.idle)
+    assert engine.stats().kv_blocks_reserved == 0
+    assert not engine.cancel("long")
+
+
+async def test_failed_engine_thread_restarts(llama_dir: Path, make_engine: Any) -> None:
+    model, tokenizer = load(llama_dir)
+    engine = await make_engine(llama_dir, model, tokenizer)
+    expected = tokens_of(await collect(engine.submit(EngineRequest("before", input_ids=[3, 4], params=greedy(6)))))
+
+    original_forward = model.forward
+
+    def broken_forward(*args: Any, **kwargs: Any) -> Any:
+        model.forward = original_forward  # fail exactly once
+        raise RuntimeError("simulated device fault")
+
+    model.forward = broken_forward
+    with pytest.raises(EngineFailed):
+        await collect(engine.submit(EngineRequest("victim", input_ids=[3, 4], params=greedy(50))))
+    await wait_for(lambda: engine.stats().restarts == 1)
+    after = await collect(engine.submit(EngineRequest("after", input_ids=[3, 4], params=greedy(6))))
+    assert tokens_of(after) == expected
+
+
+async def test_stats_count_what_was_served(llama_dir: Path, make_engine: Any) -> None:
+    engine = await make_engine(llama_dir, max_batch_tokens=64)
+    before = engine.stats()
+    assert before.kv_blocks_total == 4096 // 16 and before.running == before.waiting == 0
+    prompts = [[3 + i] * (10 + i) for i in range(6)]
+    streams = [
+        engine.submit(EngineRequest(f"s{i}", input_ids=p, params=greedy(5, ignore_eos=True)))
+        for i, p in enumerate(prompts)
+    ]
+    during = engine.stats()
+    assert during.running + during.waiting == 6 and during.kv_blocks_reserved > 0
+    await asyncio.gather(*(collect(s) for s in streams))
+    after = engine.stats()
+    assert after.prefill_tokens == sum(len(p) for p in prompts)
+    # The first token comes out of the prefill step, the other four from decode steps.
+    assert after.decode_tokens == 6 * 4
+    assert after.steps > 0 and 0 < after.batch_fill_p50 <= after.batch_fill_p99 <= 1.0
+    assert after.requests_finished == {"length": 6}
+    assert after.running == after.waiting == after.kv_blocks_reserved == 0

@@ -1,0 +1,74 @@
+"""Bad input never reaches the library's thread: each gets a clear `InvalidRequest`, and requests in flight
+finish untouched."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engine.conftest import load
+from tests.engine.test_engine import collect, greedy, tokens_of
+from worker.engine.errors import InvalidRequest
+from worker.engine.types import EngineRequest, SamplingParams
+
+BAD_REQUESTS = {
+    "empty prompt": (EngineRequest("x", prompt="", params=greedy(4)), "empty"),
+    "empty ids": (EngineRequest("x", input_ids=[], params=greedy(4)), "empty"),
+    "id outside vocab": (EngineRequest("x", input_ids=[3, 10**6], params=greedy(4)), "outside the vocabulary"),
+    "negative id": (EngineRequest("x", input_ids=[-1], params=greedy(4)), "outside the vocabulary"),
+    "ids not ints": (EngineRequest("x", input_ids=[1.5], params=greedy(4)), "list of integers"),  # type: ignore[list-item]
+    "two sources": (EngineRequest("x", prompt="a", input_ids=[3], params=greedy(4)), "exactly one"),
+    "no source": (EngineRequest("x", params=greedy(4)), "exactly one"),
+    "over context": (EngineRequest("x", input_ids=[3] * 1000, params=greedy(100)), "context"),
+    "over kv cache": (EngineRequest("x", input_ids=[3] * 200, params=greedy(500)), "KV cache"),
+    "zero max tokens": (EngineRequest("x", input_ids=[3], params=SamplingParams(max_new_tokens=0)), "max_new_tokens"),
+    "bool max tokens": (
+        EngineRequest("x", input_ids=[3], params=SamplingParams(max_new_tokens=True)),
+        "max_new_tokens",
+    ),
+    "negative temperature": (EngineRequest("x", input_ids=[3], params=SamplingParams(temperature=-0.5)), "temperature"),
+    "string temperature": (EngineRequest("x", input_ids=[3], params=SamplingParams(temperature="hot")), "temperature"),  # type: ignore[arg-type]
+    "nan temperature": (
+        EngineRequest("x", input_ids=[3], params=SamplingParams(temperature=float("nan"))),
+        "temperature",
+    ),
+    "top_p zero": (EngineRequest("x", input_ids=[3], params=SamplingParams(top_p=0.0)), "top_p"),
+    "top_k negative": (EngineRequest("x", input_ids=[3], params=SamplingParams(top_k=-1)), "top_k"),
+    "empty stop": (EngineRequest("x", input_ids=[3], params=SamplingParams(stop=("",))), "stop"),
+    "bad messages": (EngineRequest("x", messages=[{"role": "user"}], params=greedy(4)), "content"),
+}
+
+
+async def test_each_bad_input_is_rejected_and_in_flight_requests_survive(llama_dir: Path, make_engine: Any) -> None:
+    # A KV cache of 512 tokens with a context of 1024: both length limits are reachable.
+    engine = await make_engine(llama_dir, kv_cache_tokens=512)
+    good = [
+        engine.submit(EngineRequest(f"good{i}", input_ids=[3 + i, 4, 5], params=greedy(40, ignore_eos=True)))
+        for i in range(3)
+    ]
+    await asyncio.sleep(0.05)  # the good requests are decoding now
+    for name, (request, message) in BAD_REQUESTS.items():
+        with pytest.raises(InvalidRequest, match=message):
+            engine.submit(request)
+        assert engine.stats().restarts == 0, name
+    outputs = await asyncio.gather(*(collect(s) for s in good))
+    assert [len(tokens_of(o)) for o in outputs] == [40, 40, 40]
+
+
+async def test_duplicate_request_id_is_rejected(llama_dir: Path, make_engine: Any) -> None:
+    engine = await make_engine(llama_dir)
+    stream = engine.submit(EngineRequest("same", input_ids=[3, 4], params=greedy(20)))
+    with pytest.raises(InvalidRequest, match="already"):
+        engine.submit(EngineRequest("same", input_ids=[3, 4], params=greedy(20)))
+    assert (await collect(stream))[-1].finished
+
+
+async def test_model_without_chat_template(llama_dir: Path, make_engine: Any) -> None:
+    model, tokenizer = load(llama_dir)
+    tokenizer.chat_template = None
+    engine = await make_engine(llama_dir, model, tokenizer)
+    with pytest.raises(InvalidRequest, match="chat template"):
+        engine.submit(EngineRequest("x", messages=[{"role": "user", "content": "hi"}], params=greedy(4)))

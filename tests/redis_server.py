@@ -1,0 +1,74 @@
+"""A throwaway `redis-server` for tests: own port, own directory, stopped afterwards.
+
+Tests never touch the machine's shared Redis; each session starts its own from the binary on PATH.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RedisServer:
+    """One `redis-server` process; `extra_args` are passed through (e.g. `--requirepass`, `--appendonly yes`)."""
+
+    def __init__(self, workdir: Path, *extra_args: str) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not on PATH (.ci/run installs Debian's redis-server)")
+        self.port = free_port()
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self._args = [
+            binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--dir",
+            str(workdir),
+            "--logfile",
+            str(workdir / "redis.log"),
+            *extra_args,
+        ]
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        self._process = subprocess.Popen(self._args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return self
+            except OSError:
+                if self._process.poll() is not None:
+                    raise RuntimeError(f"redis-server exited: {(self.workdir / 'redis.log').read_text()}") from None
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start within 10 s")
+
+    def stop(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            self._process.wait(timeout=10)
+        self._process = None
+
+    def flush(self) -> None:
+        with redis.Redis.from_url(self.url) as conn:
+            conn.flushall()

@@ -1,0 +1,63 @@
+"""Tiny random models with a real byte-level BPE tokenizer, built offline and saved as normal model folders,
+so tests load them through the same `from_pretrained` path users use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. ",
+    "Continuous batching lets short requests finish early. ",
+    "Paris is the capital of France; Tokyo is the capital of Japan. ",
+    "emoji 😀🚀🎉 and CJK 日本語の文章 中文字符 한국어 text. ",
+    "def main():\n    return 42\n",
+]
+
+
+def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<eos>", "<bos>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", bos_token="<bos>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def save_tiny_model(folder: Path, arch: str = "llama", *, max_positions: int = 1024, seed: int = 0) -> Path:
+    """A 2-layer random model (`llama`, or `qwen2` with grouped-query attention) saved with its tokenizer."""
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer()
+    common = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": max_positions,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=4, **common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, **common))
+    else:
+        raise ValueError(arch)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

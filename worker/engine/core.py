@@ -1,0 +1,297 @@
+"""The continuous-batching engine: a small asyncio interface over transformers' own CB manager.
+
+The library's manager runs the model in its own thread (paged KV cache, chunked prefill, requests joining
+and leaving the batch every step). This adapter adds what the library does not do safely (5.24): explicit
+cache sizing, validation before anything reaches its thread, admission by free KV blocks (so the library
+never has to evict a running request), stop strings, deltas instead of cumulative outputs, cancellation
+that ends the caller's stream, restart after the thread dies, and stats.
+
+Note on threads: every method here runs on one event loop. The library thread talks to us only through
+`call_soon_threadsafe` callbacks (`_on_output`) and plain counters (`StepCounters`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching import ContinuousBatchingManager
+from transformers.generation.continuous_batching.requests import GenerationOutput
+
+from worker.engine.errors import EngineClosed, EngineError, EngineFailed, InvalidRequest
+from worker.engine.inputs import InputProcessor, ModelLimits, PreparedRequest
+from worker.engine.outputs import IncrementalDetokenizer
+from worker.engine.stats import StepCounters
+from worker.engine.stream import RequestStream
+from worker.engine.types import Delta, EngineRequest, EngineStats, FinishReason, SamplingParams
+
+_WATCHDOG_PERIOD_S = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Cache and batch sizing. Never the library's defaults, which take 60 % of free RAM on CPU."""
+
+    kv_cache_tokens: int = 16384
+    page_size: int = 32
+    max_batch_tokens: int = 512
+    max_running: int = 64
+    prefix_sharing: bool = False
+    seed: int | None = None
+    stop_timeout_s: float = 30.0
+
+
+class Engine:
+    """Continuous batching over one model. Use as `async with Engine(model, tokenizer, config) as engine:`.
+
+    `submit(request)` validates at once (raising `InvalidRequest`) and returns an async iterator of `Delta`;
+    `cancel(id)` ends a stream with `cancelled`; `stats()` reports KV use, queue sizes and step counters.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        self.counters = StepCounters()
+        self._manager: ContinuousBatchingManager | None = None
+        self._inputs: InputProcessor | None = None
+        self._num_blocks = 0
+        self._reserved_blocks = 0
+        self._waiting: deque[RequestStream] = deque()
+        self._running: dict[str, RequestStream] = {}
+        self._watchdog: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> Engine:
+        await asyncio.to_thread(self._start_manager)
+        self._watchdog = asyncio.create_task(self._watch(), name="engine-watchdog")
+        return self
+
+    async def close(self) -> None:
+        """Stops the engine thread; streams still open end with `EngineClosed`."""
+        self._closing = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+        for stream in [*self._waiting, *self._running.values()]:
+            self._end(stream, "error", EngineClosed("the engine is shutting down"))
+        if self._manager is not None:
+            manager, self._manager = self._manager, None
+            await asyncio.to_thread(manager.stop, block=True, timeout=self.config.stop_timeout_s, hard_stop=True)
+
+    async def __aenter__(self) -> Engine:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, request: EngineRequest) -> RequestStream:
+        """Validates and queues a request. Raises `InvalidRequest` or `EngineClosed`; never fails other requests."""
+        if self._closing or self._inputs is None:
+            raise EngineClosed("the engine is not running")
+        prepared = self._inputs.prepare(request)
+        if prepared.request_id in self._running or any(s.request_id == prepared.request_id for s in self._waiting):
+            raise InvalidRequest(f"request {prepared.request_id!r} is already in this engine")
+        stream = RequestStream(
+            prepared,
+            IncrementalDetokenizer(self.tokenizer, prepared.prompt_ids),
+            kv_blocks=-(-prepared.max_tokens // self.config.page_size),
+        )
+        self._waiting.append(stream)
+        self._admit()
+        return stream
+
+    def cancel(self, request_id: str) -> bool:
+        """Ends the request's stream now with `cancelled`; its KV blocks are freed before the next step."""
+        stream = self._running.get(request_id) or next((s for s in self._waiting if s.request_id == request_id), None)
+        if stream is None:
+            return False
+        if request_id in self._running and self._manager is not None:
+            self._manager.cancel_request(request_id)
+        stream.put(Delta(request_id, [], "", FinishReason.CANCELLED, stream.prompt_tokens))
+        self._end(stream, FinishReason.CANCELLED)
+        return True
+
+    def free_slots(self) -> int:
+        """How many more requests this engine would start now: what a worker should read from its queue."""
+        if self._closing or self._waiting:
+            return 0
+        return max(0, self.config.max_running - len(self._running))
+
+    @property
+    def idle(self) -> bool:
+        return not self._running and not self._waiting
+
+    def stats(self) -> EngineStats:
+        manager = self._manager
+        processor = manager.batch_processor if manager is not None else None
+        free = processor.cache.compute_free_capacity() if processor is not None else 1.0
+        fill = self.counters.fill_percentiles(self.config.max_batch_tokens)
+        return EngineStats(
+            kv_blocks_total=self._num_blocks,
+            kv_blocks_used=round((1.0 - free) * self._num_blocks),
+            kv_blocks_reserved=self._reserved_blocks,
+            page_size=self.config.page_size,
+            max_batch_tokens=self.config.max_batch_tokens,
+            running=len(self._running),
+            waiting=len(self._waiting),
+            steps=self.counters.steps,
+            prefill_tokens=self.counters.prefill_tokens,
+            decode_tokens=self.counters.decode_tokens,
+            batch_fill_p50=fill[0],
+            batch_fill_p95=fill[1],
+            batch_fill_p99=fill[2],
+            requests_finished=dict(self.counters.finished),
+            restarts=self.counters.restarts,
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _start_manager(self) -> None:
+        """Builds and starts a fresh library manager (blocking: runs in a worker thread)."""
+        sizing = self.config
+        manager = self.model.init_continuous_batching(
+            # Processors are created only for non-default values; every request then passes its own.
+            generation_config=GenerationConfig(
+                do_sample=True, temperature=0.5, top_k=50, top_p=0.9, eos_token_id=list(self.eos_token_ids) or -1
+            ),
+            continuous_batching_config=ContinuousBatchingConfig(
+                page_size=sizing.page_size,
+                num_blocks=max(1, sizing.kv_cache_tokens // sizing.page_size),
+                max_batch_tokens=sizing.max_batch_tokens,
+                max_requests_per_batch=sizing.max_running,
+                allow_block_sharing=sizing.prefix_sharing,
+                per_request_processors=True,
+                seed=sizing.seed,
+            ),
+        )
+        manager.warmup()  # allocates the paged cache now, so its real size is known before the first request
+        self.counters.instrument(manager)
+        manager.start()
+        cache = manager.batch_processor.cache
+        self._num_blocks = int(cache.num_blocks)
+        self._inputs = InputProcessor(
+            self.tokenizer,
+            ModelLimits(
+                vocab_size=self.vocab_size,
+                max_context=int(getattr(self.model.config.get_text_config(), "max_position_embeddings", 1 << 30)),
+                max_cached_tokens=self._num_blocks * sizing.page_size,
+            ),
+        )
+        self._manager = manager
+
+    def _admit(self) -> None:
+        """Starts waiting requests, oldest first, while batch slots and unreserved KV blocks allow."""
+        manager = self._manager
+        while manager is not None and self._waiting and len(self._running) < self.config.max_running:
+            stream = self._waiting[0]
+            if self._reserved_blocks + stream.kv_blocks > self._num_blocks:
+                return
+            self._waiting.popleft()
+            self._reserved_blocks += stream.kv_blocks
+            self._running[stream.request_id] = stream
+            manager.register_result_handler(stream.request_id, self._on_output)
+            # The library's input queue is unbounded here, so this put never blocks the loop.
+            accepted = manager.add_request(**self._library_request(stream.request))
+            if accepted is None:  # the thread is dying; the watchdog fails and restarts
+                return
+
+    def _library_request(self, request: PreparedRequest) -> dict[str, Any]:
+        params = request.params
+        return {
+            "input_ids": request.prompt_ids,
+            "request_id": request.request_id,
+            "max_new_tokens": params.max_new_tokens,
+            "streaming": True,
+            "eos_token_id": -1 if params.ignore_eos else list(self.eos_token_ids) or -1,
+            **self._sampling_kwargs(params),
+        }
+
+    def _sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        # The library samples every row; top_k=1 makes a row exactly greedy, so greedy and sampled
+        # requests share one batch.
+        if params.greedy:
+            return {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
+        top_k = params.top_k if params.top_k > 0 else self.vocab_size
+        return {"temperature": float(params.temperature), "top_k": int(top_k), "top_p": float(params.top_p)}
+
+    def _on_output(self, output: GenerationOutput) -> None:
+        """Called on the loop for each library output of a running request (cumulative tokens)."""
+        stream = self._running.get(output.request_id)
+        if stream is None:  # cancelled or stopped meanwhile
+            return
+        if output.error is not None:
+            self._end(stream, "error", EngineFailed(f"the engine failed while generating: {output.error}"))
+            return
+        tokens = output.generated_tokens
+        new_tokens = tokens[stream.tokens_seen :]
+        stream.tokens_seen = len(tokens)
+        finished = output.is_finished()
+        text = stream.detokenizer.push(new_tokens)
+        if finished:
+            text += stream.detokenizer.finish()
+        text, stop_hit = stream.stops.feed(text, final=finished)
+        reason = None
+        if stop_hit:
+            reason = FinishReason.STOP
+            if not finished and self._manager is not None:
+                self._manager.cancel_request(stream.request_id)
+        elif finished:
+            eos = not stream.request.params.ignore_eos and bool(tokens) and tokens[-1] in self.eos_token_ids
+            reason = FinishReason.EOS if eos else FinishReason.LENGTH
+        stream.put(Delta(stream.request_id, list(new_tokens), text, reason, stream.prompt_tokens))
+        if reason is not None:
+            self._end(stream, reason)
+
+    def _end(self, stream: RequestStream, outcome: str, error: EngineError | None = None) -> None:
+        """Takes a request out of the engine's books, counts its outcome, and lets the next waiting one in."""
+        if stream.request_id in self._running:
+            del self._running[stream.request_id]
+            self._reserved_blocks -= stream.kv_blocks
+            if self._manager is not None:
+                self._manager.output_router.result_handlers.pop(stream.request_id, None)
+        else:
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(stream)
+        if error is not None:
+            stream.fail(error)
+        self.counters.finished[str(outcome)] += 1
+        self._admit()
+
+    async def _watch(self) -> None:
+        """Restarts the library's thread when it dies; requests in flight end with `EngineFailed`."""
+        while not self._closing:
+            await asyncio.sleep(_WATCHDOG_PERIOD_S)
+            manager = self._manager
+            if manager is None or manager.is_running() or self._closing:
+                continue
+            self.counters.restarts += 1
+            fatal = manager.background_thread_status.fatal_error
+            for stream in list(self._running.values()):
+                self._end(stream, "error", EngineFailed(f"the engine thread died ({fatal}); it was restarted"))
+            self._manager = None
+            await asyncio.to_thread(manager.stop, block=True, timeout=self.config.stop_timeout_s)
+            await asyncio.to_thread(self._start_manager)
+            self._admit()
+
+
+def _eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+    """EOS ids from the model's generation config, else the tokenizer's."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)

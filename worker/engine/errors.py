@@ -1,0 +1,36 @@
+"""Engine errors, named by what the caller can do about them (as vLLM's `v1/engine/exceptions.py`).
+
+EngineError
+├── InvalidRequest   the request can never run here: fix it, do not retry
+├── EngineFailed     the engine thread died under this request: retrying elsewhere may succeed
+└── EngineClosed     the engine is shutting down: hand the request to another worker
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Root of every error the engine raises or ends a stream with."""
+
+    code = "internal"
+    retryable = False
+
+
+class InvalidRequest(EngineError, ValueError):
+    """Rejected before it reached the model: empty prompt, ids outside the vocabulary, too long, bad params."""
+
+    code = "invalid_request"
+
+
+class EngineFailed(EngineError):
+    """The generation thread died while this request was in flight; the engine restarts itself."""
+
+    code = "engine_failed"
+    retryable = True
+
+
+class EngineClosed(EngineError):
+    """Submitted to, or still running in, an engine that is closing."""
+
+    code = "engine_failed"
+    retryable = True

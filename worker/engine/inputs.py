@@ -1,0 +1,121 @@
+"""Validation and tokenization: everything that can be wrong with a request is caught here, before it
+reaches transformers' engine, where one bad request fails every request in flight (5.24)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from worker.engine.errors import InvalidRequest
+from worker.engine.types import EngineRequest, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+    @property
+    def max_tokens(self) -> int:
+        """Prompt plus the most it may generate: what the request can ever hold in the KV cache."""
+        return len(self.prompt_ids) + self.params.max_new_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    vocab_size: int
+    max_context: int  # the model's position limit
+    max_cached_tokens: int  # the whole KV cache: a request longer than this could never be scheduled
+
+
+class InputProcessor:
+    """Turns an `EngineRequest` into checked prompt ids, or raises `InvalidRequest` saying what is wrong."""
+
+    def __init__(self, tokenizer: Any, limits: ModelLimits) -> None:
+        self._tokenizer = tokenizer
+        self.limits = limits
+
+    def prepare(self, request: EngineRequest) -> PreparedRequest:
+        check_params(request.params)
+        sources = [s for s in (request.prompt, request.messages, request.input_ids) if s is not None]
+        if len(sources) != 1:
+            raise InvalidRequest("give exactly one of prompt, messages or input_ids")
+        prompt_ids = self._tokenize(request)
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        self._check_length(len(prompt_ids), request.params.max_new_tokens)
+        return PreparedRequest(request.request_id, prompt_ids, request.params)
+
+    def _tokenize(self, request: EngineRequest) -> list[int]:
+        if request.input_ids is not None:
+            return self._check_ids(request.input_ids)
+        if request.messages is not None:
+            return self._render_chat(request.messages)
+        if not isinstance(request.prompt, str):
+            raise InvalidRequest("prompt must be a string")
+        if not request.prompt:
+            return []
+        return list(self._tokenizer(request.prompt, add_special_tokens=True)["input_ids"])
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise InvalidRequest("input_ids must be a list of integers")
+        vocab = self.limits.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise InvalidRequest(f"input_ids has {len(bad)} ids outside the vocabulary [0, {vocab}), e.g. {bad[0]}")
+        return list(ids)
+
+    def _render_chat(self, messages: Any) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequest("messages must be a non-empty list")
+        for message in messages:
+            if (
+                not isinstance(message, dict)
+                or not isinstance(message.get("role"), str)
+                or not isinstance(message.get("content"), str)
+            ):
+                raise InvalidRequest("each message needs a string role and a string content")
+        if not getattr(self._tokenizer, "chat_template", None):
+            raise InvalidRequest("this model has no chat template: send a prompt or input_ids instead")
+        try:
+            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as error:  # a template may raise anything (jinja): it is still the caller's input
+            raise InvalidRequest(f"the chat template rejected the messages: {error}") from error
+        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        total = prompt_tokens + max_new_tokens
+        if total > self.limits.max_context:
+            raise InvalidRequest(
+                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
+                f"model's context of {self.limits.max_context} tokens"
+            )
+        if total > self.limits.max_cached_tokens:
+            raise InvalidRequest(
+                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds this "
+                f"worker's KV cache of {self.limits.max_cached_tokens} tokens"
+            )
+
+
+def check_params(params: SamplingParams) -> None:
+    """Types and ranges of the sampling parameters; the library checks types only, and only inside its thread."""
+
+    def is_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    def is_real(value: Any) -> bool:
+        return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+    if not is_int(params.max_new_tokens) or params.max_new_tokens < 1:
+        raise InvalidRequest(f"max_new_tokens must be an integer >= 1, got {params.max_new_tokens!r}")
+    if not is_real(params.temperature) or params.temperature < 0:
+        raise InvalidRequest(f"temperature must be a number >= 0, got {params.temperature!r}")
+    if not is_real(params.top_p) or not 0 < params.top_p <= 1:
+        raise InvalidRequest(f"top_p must be a number in (0, 1], got {params.top_p!r}")
+    if not is_int(params.top_k) or params.top_k < 0:
+        raise InvalidRequest(f"top_k must be an integer >= 0, got {params.top_k!r}")
+    if not all(isinstance(s, str) and s for s in params.stop):
+        raise InvalidRequest("stop must be a list of non-empty strings")

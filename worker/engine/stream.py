@@ -1,0 +1,70 @@
+"""The per-request bridge between the engine thread's outputs and the caller's async iteration."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from worker.engine.errors import EngineError
+from worker.engine.inputs import PreparedRequest
+from worker.engine.outputs import IncrementalDetokenizer, StopStringMatcher
+from worker.engine.types import Delta
+
+
+class RequestStream(AsyncIterator[Delta]):
+    """Async iterator of one request's deltas; ends after the delta that carries the finish reason.
+
+    `put` never blocks: when the reader is behind, deltas are merged (as vLLM's RequestOutputCollector
+    does), so a slow reader never stalls the engine and never misses a token.
+    """
+
+    def __init__(self, request: PreparedRequest, detokenizer: IncrementalDetokenizer, kv_blocks: int) -> None:
+        self.request = request
+        self.request_id = request.request_id
+        self.prompt_tokens = len(request.prompt_ids)
+        self.kv_blocks = kv_blocks
+        self.detokenizer = detokenizer
+        self.stops = StopStringMatcher(request.params.stop)
+        self.tokens_seen = 0  # the library's outputs are cumulative: how many generated tokens we already took
+        self.closed = False  # no more deltas will be put
+        self._pending: Delta | None = None
+        self._error: EngineError | None = None
+        self._ready = asyncio.Event()
+        self._drained = False
+
+    def put(self, delta: Delta) -> None:
+        if self.closed:
+            return
+        if self._pending is None:
+            self._pending = delta
+        else:
+            self._pending.token_ids.extend(delta.token_ids)
+            self._pending.text += delta.text
+            self._pending.finish_reason = delta.finish_reason
+        self.closed = delta.finished
+        self._ready.set()
+
+    def fail(self, error: EngineError) -> None:
+        if self.closed:
+            return
+        self._error = error
+        self.closed = True
+        self._ready.set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self._drained:
+            raise StopAsyncIteration
+        await self._ready.wait()
+        self._ready.clear()
+        if self._pending is not None:
+            delta, self._pending = self._pending, None
+            self._drained = delta.finished
+            if not self._drained and self._error is not None:
+                self._ready.set()  # hand out the tokens we have, then the error
+            return delta
+        self._drained = True
+        assert self._error is not None
+        raise self._error

@@ -1,0 +1,89 @@
+"""What goes into the engine and what comes out of it. Plain dataclasses: the engine knows nothing of Redis."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class FinishReason(StrEnum):
+    EOS = "eos"
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request decoding settings. `temperature == 0` (or `top_k == 1`) means greedy."""
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One generation request: exactly one of `prompt`, `messages` (chat) or `input_ids`."""
+
+    request_id: str
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    input_ids: list[int] | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+    def __repr__(self) -> str:  # prompts and ids stay out of logs
+        return f"EngineRequest(request_id={self.request_id!r}, params={self.params!r})"
+
+
+@dataclass(slots=True)
+class Delta:
+    """New output of one request since its previous delta. The last delta of a stream has `finish_reason` set.
+
+    Concatenating every delta's `text` gives the full decoded output (stop string excluded), and
+    concatenating `token_ids` gives every generated token.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters and gauges an operator watches; counters only grow, so rates and percentiles come from diffs."""
+
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_reserved: int
+    page_size: int
+    max_batch_tokens: int
+    running: int
+    waiting: int
+    steps: int
+    prefill_tokens: int
+    decode_tokens: int
+    batch_fill_p50: float
+    batch_fill_p95: float
+    batch_fill_p99: float
+    requests_finished: dict[str, int]
+    restarts: int
+    created: float = field(default_factory=time.time)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
