@@ -1,0 +1,52 @@
+"""llmq client: submit generation requests to a Redis-fed worker pool and stream the results.
+
+    from client import Client
+
+    with Client("redis://localhost:6379/0", queue="default") as llm:
+        job = llm.submit("Tell me a joke", max_new_tokens=64, temperature=0.7)
+        for delta in job.stream(timeout=60):
+            print(delta.text, end="", flush=True)
+
+`AsyncClient` has the same surface (`await client.submit(...)`, `async for delta in job.stream()`).
+This package never imports torch or transformers; `client.protocol` is the wire format both sides speak.
+"""
+
+from client import protocol
+from client._core import Delta, QueueStatus, Result
+from client.aio import AsyncClient, AsyncJob
+from client.errors import (
+    Cancelled,
+    ErrorCode,
+    LLMQError,
+    QueueFull,
+    RequestExpired,
+    RequestFailed,
+    ResultTimeout,
+    error_from_event,
+)
+from client.protocol import InvalidRequest, LimitExceeded, MalformedEntry, ProtocolError, UnsupportedVersion
+from client.sync import Client, Job
+
+__all__ = [
+    "AsyncClient",
+    "AsyncJob",
+    "Cancelled",
+    "Client",
+    "Delta",
+    "ErrorCode",
+    "InvalidRequest",
+    "Job",
+    "LLMQError",
+    "LimitExceeded",
+    "MalformedEntry",
+    "ProtocolError",
+    "QueueFull",
+    "QueueStatus",
+    "RequestExpired",
+    "RequestFailed",
+    "Result",
+    "ResultTimeout",
+    "UnsupportedVersion",
+    "error_from_event",
+    "protocol",
+]

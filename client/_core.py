@@ -1,0 +1,422 @@
+"""Sans-I/O core shared by `AsyncClient` and `Client`: everything but the Redis calls.
+
+Like httpx's `BaseClient`, this builds requests, holds configuration, accumulates result events and
+decides when to wait, retry or stop; `aio.py` and `sync.py` only perform the calls it asks for.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from client.errors import Cancelled, QueueFull, ResultTimeout, error_from_event
+from client.protocol import (
+    CONSUMER_GROUP,
+    ENTRY_FIELD,
+    PROTOCOL_VERSION,
+    DoneEvent,
+    ErrorEvent,
+    FinishReason,
+    GenerateRequest,
+    Keys,
+    MalformedEntry,
+    RequestLimits,
+    Timings,
+    TokensEvent,
+    Usage,
+    WorkerInfo,
+    decode_event,
+    decode_worker,
+    encode,
+    is_valid_id,
+    ms_now,
+    parse_request,
+)
+
+log = logging.getLogger("llmq.client")
+
+DEFAULT_URL = "redis://localhost:6379/0"
+BLOCK_S = 2.0  # per XREAD; stays under redis-py's default 5 s socket timeout
+RECONNECT_BUDGET_S = 30.0  # how long a reader keeps retrying a lost connection
+BACKOFF_BASE_S = 0.05
+BACKOFF_CAP_S = 2.0
+
+# Atomic check-and-add: a duplicate id adds nothing, a full backlog adds nothing (not even the marker).
+# Workers XDEL finished requests, so XLEN of the stream is the backlog.
+SUBMIT_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return 0
+end
+local limit = tonumber(ARGV[2])
+if limit > 0 and redis.call('XLEN', KEYS[2]) >= limit then
+  return -1
+end
+redis.call('SET', KEYS[1], 1, 'EX', ARGV[3])
+redis.call('XADD', KEYS[2], '*', 'm', ARGV[1])
+return 1
+"""
+SUBMIT_FULL = -1  # the script's other answers: 1 = added, 0 = duplicate id (nothing added)
+
+
+def redact_url(url: str) -> str:
+    """The URL with its password replaced by `***`, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def connect_kwargs(url: str, ssl_ca_certs: str | None, redis_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for redis-py's `from_url`; a CA file only makes sense with `rediss://`."""
+    if ssl_ca_certs is None:
+        return redis_kwargs
+    if urlsplit(url).scheme != "rediss":
+        raise ValueError(f"ssl_ca_certs needs a rediss:// URL, not {redact_url(url)}")
+    return {**redis_kwargs, "ssl_ca_certs": ssl_ca_certs}
+
+
+def deadline_ms(deadline: float | timedelta | datetime | None, now_ms: int) -> int | None:
+    """Epoch ms from seconds-from-now, a timedelta, or an absolute datetime (naive = local time)."""
+    if deadline is None:
+        return None
+    if isinstance(deadline, datetime):
+        return int(deadline.timestamp() * 1000)
+    seconds = deadline.total_seconds() if isinstance(deadline, timedelta) else deadline
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise TypeError(f"deadline must be seconds, a timedelta or a datetime, not {type(deadline).__name__}")
+    if not seconds > 0:
+        raise ValueError(f"a relative deadline must be positive, got {seconds}")
+    return now_ms + math.ceil(seconds * 1000)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output: `seq` is the index of its first token in the whole output."""
+
+    text: str
+    token_ids: list[int]
+    seq: int
+
+
+@dataclass(frozen=True)
+class Result:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON-able fields (for `llmq submit --json`)."""
+        return {**asdict(self), "usage": self.usage.model_dump(), "timings": self.timings.model_dump()}
+
+
+class ResultBuilder:
+    """Accumulates one request's events into deltas and a `Result`, dropping what was seen by `seq`."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.token_ids: list[int] = []
+        self._texts: list[str] = []
+        self._text_len = 0
+        self._bounds: list[tuple[int, int]] = [(0, 0)]  # (token count, text length) after each chunk
+        self.done: DoneEvent | None = None
+        self.error: ErrorEvent | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.done is not None or self.error is not None
+
+    def feed(self, event: TokensEvent | DoneEvent | ErrorEvent) -> Delta | None:
+        """Take one event; return the new output it brings, if any."""
+        if self.finished:  # only a stale writer adds after the terminal event
+            return None
+        if isinstance(event, TokensEvent):
+            return self._tokens(event)
+        if isinstance(event, DoneEvent):
+            self.done = event
+        else:
+            self.error = event
+        return None
+
+    def _tokens(self, event: TokensEvent) -> Delta | None:
+        seen = len(self.token_ids)
+        if event.seq > seen:
+            raise MalformedEntry(f"gap in the result stream: expected seq <= {seen}, got {event.seq}", self.request_id)
+        skip = seen - event.seq
+        if skip >= len(event.ids):
+            return None
+        text = event.text if skip == 0 else self._unseen_text(event, skip)
+        ids = event.ids[skip:]
+        self.token_ids.extend(ids)
+        self._texts.append(text)
+        self._text_len += len(text)
+        self._bounds.append((len(self.token_ids), self._text_len))
+        return Delta(text=text, token_ids=ids, seq=seen)
+
+    def _unseen_text(self, event: TokensEvent, skip: int) -> str:
+        """Text of a partly seen chunk beyond what we hold.
+
+        Text cannot be split by token, so align it: the chunk's text starts with the tail of ours, from
+        an offset inside our accepted chunk holding token `seq` (exactly its start if `seq` is one of our
+        chunk boundaries). Take the longest such overlap: an unlucky repetition may lose characters, but
+        text is never shown twice. A chunk whose seen tokens differ from ours, or whose text lines up
+        nowhere, comes from a stale writer: keep its new tokens, drop its text.
+        """
+        text = self.text
+        at = bisect.bisect_right(self._bounds, event.seq, key=lambda bound: bound[0])
+        count, lo = self._bounds[at - 1]
+        hi = lo if count == event.seq else self._bounds[at][1]
+        if event.ids[:skip] == self.token_ids[event.seq :]:
+            for start in range(lo, hi + 1):
+                if event.text.startswith(text[start:]):
+                    return event.text[len(text) - start :]
+        log.warning("request %s: dropped the text of a conflicting chunk at seq %d", self.request_id, event.seq)
+        return ""
+
+    @property
+    def text(self) -> str:
+        return "".join(self._texts)
+
+    def raise_for_error(self) -> None:
+        if self.error is not None:
+            raise error_from_event(self.error, self.request_id)
+
+    def outcome(self, *, raise_cancelled: bool) -> Result:
+        """The final `Result`, or the typed error for an `error` event (or a cancel, if asked)."""
+        self.raise_for_error()
+        assert self.done is not None, "outcome() before the terminal event"
+        result = Result(
+            request_id=self.request_id,
+            text=self.text,
+            token_ids=list(self.token_ids),
+            finish_reason=self.done.finish_reason,
+            usage=self.done.usage,
+            timings=self.done.timings,
+        )
+        if raise_cancelled and result.finish_reason == "cancelled":
+            raise Cancelled(result)
+        return result
+
+
+def _stream_entries(reply: Any) -> Iterable[tuple[Any, Any]]:
+    """(entry id, fields) pairs of an XREAD reply for one stream, in RESP2 or RESP3 shape."""
+    streams = reply.values() if isinstance(reply, Mapping) else (entries for _key, entries in reply or ())
+    for entries in streams:
+        yield from entries
+
+
+class ResultReader:
+    """Read state of one result stream: where to resume, what was seen, when to retry or give up."""
+
+    def __init__(self, request_id: str, key: str) -> None:
+        self.key = key
+        self.last_id: bytes | str = b"0-0"
+        self.builder = ResultBuilder(request_id)
+        self._failing_since: float | None = None
+        self._failures = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.builder.request_id
+
+    def block_ms(self, started: float, timeout: float | None, socket_timeout: float | None) -> int:
+        """How long the next XREAD may block; raise `ResultTimeout` when the caller's time is up."""
+        block = BLOCK_S if socket_timeout is None else min(BLOCK_S, socket_timeout / 2)
+        if timeout is not None:
+            remaining = timeout - (time.monotonic() - started)
+            if remaining <= 0:
+                raise ResultTimeout(self.request_id, timeout, len(self.builder.token_ids))
+            block = min(block, remaining)
+        return max(1, int(block * 1000))
+
+    def consume(self, reply: Any) -> list[Delta]:
+        """Feed an XREAD reply; remember the last entry id so a reconnect resumes after it."""
+        self._failing_since = None
+        deltas = []
+        for entry_id, fields in _stream_entries(reply):
+            self.last_id = entry_id
+            delta = self.builder.feed(decode_event(fields.get(ENTRY_FIELD)))
+            if delta is not None:
+                deltas.append(delta)
+        return deltas
+
+    def retry_delay(self, exc: Exception) -> float | None:
+        """Seconds to wait before reading again after a connection error; None once the budget is spent."""
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since, self._failures = now, 0
+        if now - self._failing_since > RECONNECT_BUDGET_S:
+            return None
+        delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**self._failures)
+        self._failures += 1
+        log.warning("request %s: reading results failed (%s); retrying in %.2f s", self.request_id, exc, delay)
+        return delay
+
+
+@dataclass(frozen=True)
+class QueueStatus:
+    """A queue at a glance; `pending`/`lag` are None until a worker has created the consumer group."""
+
+    queue: str
+    depth: int
+    pending: int | None
+    lag: int | None
+    dead: int
+    workers: list[WorkerInfo] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "workers": [w.model_dump() for w in self.workers]}
+
+
+def _group_stats(groups: Any, group: bytes) -> tuple[int | None, int | None]:
+    if isinstance(groups, Exception):  # no stream yet: XINFO answers an error
+        return None, None
+    for info in groups:
+        name = info.get("name")
+        if (name.encode() if isinstance(name, str) else name) == group:
+            return info.get("pending"), info.get("lag")
+    return None, None
+
+
+def queue_status_commands(pipe: Any, keys: Keys) -> None:
+    """Queue on a pipeline the reads `status_from_replies` expects, in its order."""
+    pipe.xlen(keys.requests)
+    pipe.xinfo_groups(keys.requests)
+    pipe.xlen(keys.dead)
+    pipe.hgetall(keys.workers)
+
+
+def queue_cancel_commands(pipe: Any, keys: Keys, request_id: str, ttl: int) -> None:
+    """Queue on a pipeline the cancel mark (for a worker that missed the message) and the message."""
+    pipe.set(keys.cancel(request_id), 1, ex=ttl)
+    pipe.publish(keys.cancel_channel, request_id)
+
+
+def status_from_replies(queue: str, replies: list[Any], stale_after_s: float) -> QueueStatus:
+    """Build `QueueStatus` from the replies to XLEN requests, XINFO GROUPS, XLEN dead, HGETALL workers."""
+    depth, groups, dead, workers_hash = replies
+    for reply in (depth, dead, workers_hash):
+        if isinstance(reply, Exception):
+            raise reply
+    pending, lag = _group_stats(groups, CONSUMER_GROUP.encode())
+    oldest = ms_now() - int(stale_after_s * 1000)
+    workers = []
+    for raw in workers_hash.values():
+        try:
+            info = decode_worker(raw)
+        except MalformedEntry:
+            continue
+        if info.heartbeat >= oldest:
+            workers.append(info)
+    workers.sort(key=lambda w: w.id)
+    return QueueStatus(queue=queue, depth=depth, pending=pending, lag=lag, dead=dead, workers=workers)
+
+
+class BaseClient:
+    """Configuration and request building shared by both twins."""
+
+    def __init__(
+        self,
+        conn: Any,
+        *,
+        url: str | None,
+        owns_conn: bool,
+        queue: str,
+        prefix: str,
+        max_queue_len: int,
+        result_ttl: int,
+        limits: RequestLimits | None,
+    ) -> None:
+        if conn.connection_pool.connection_kwargs.get("decode_responses"):
+            raise ValueError("llmq needs a redis client with decode_responses=False (entries are msgpack)")
+        if max_queue_len < 0 or result_ttl < 1:
+            raise ValueError("max_queue_len must be >= 0 (0 = no limit) and result_ttl >= 1")
+        self._redis = conn
+        self._url = url
+        self._owns_conn = owns_conn
+        self.queue = queue
+        self.prefix = prefix
+        self.max_queue_len = max_queue_len
+        self.result_ttl = result_ttl
+        self.limits = limits or RequestLimits()
+        self.keys = Keys(queue, prefix)
+        self._submit_script = conn.register_script(SUBMIT_LUA)
+
+    def __repr__(self) -> str:
+        where = redact_url(self._url) if self._url else "<redis client>"
+        return f"{type(self).__name__}({where!r}, queue={self.queue!r})"
+
+    def keys_for(self, queue: str | None) -> Keys:
+        return self.keys if queue is None or queue == self.queue else Keys(queue, self.prefix)
+
+    @property
+    def socket_timeout(self) -> float | None:
+        return self._redis.connection_pool.connection_kwargs.get("socket_timeout")
+
+    def build_request(
+        self,
+        prompt: str | None,
+        *,
+        messages: list[Any] | None,
+        input_ids: list[int] | None,
+        params: dict[str, Any],
+        deadline: float | timedelta | datetime | None,
+        request_id: str | None,
+    ) -> GenerateRequest:
+        """Validate locally (raising `InvalidRequest`, a ValueError) before anything touches Redis."""
+        now = ms_now()
+        fields = {
+            "v": PROTOCOL_VERSION,
+            "id": uuid.uuid4().hex if request_id is None else request_id,
+            "prompt": prompt,
+            "messages": messages,
+            "input_ids": input_ids,
+            "params": {k: v for k, v in params.items() if v is not None},
+            "deadline": deadline_ms(deadline, now),
+            "result_ttl": self.result_ttl,
+            "submitted": now,
+        }
+        request = parse_request({k: v for k, v in fields.items() if v is not None})
+        request.check_limits(self.limits)
+        return request
+
+    def submit_args(self, request: GenerateRequest, keys: Keys) -> tuple[list[str], list[Any]]:
+        """KEYS and ARGV of `SUBMIT_LUA`."""
+        return [keys.submitted(request.id), keys.requests], [encode(request), self.max_queue_len, request.result_ttl]
+
+    def check_submitted(self, outcome: int, keys: Keys) -> None:
+        if outcome == SUBMIT_FULL:
+            raise QueueFull(f"queue {keys.queue!r} holds {self.max_queue_len} unfinished requests (its limit)")
+
+
+class BaseJob:
+    """State shared by `Job` and `AsyncJob`: the request id, its keys and the result reader."""
+
+    def __init__(self, client: BaseClient, request_id: str, keys: Keys) -> None:
+        if not is_valid_id(request_id):
+            raise ValueError(f"request id {request_id!r} must be 1-128 characters of [A-Za-z0-9._:-]")
+        self._client = client
+        self.id = request_id
+        self.keys = keys
+        self._reader = ResultReader(request_id, keys.result(request_id))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(id={self.id!r}, queue={self.keys.queue!r}, finish_reason={self.finish_reason!r})"
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """Set once the `done` event has been read."""
+        done = self._reader.builder.done
+        return None if done is None else done.finish_reason

@@ -1,0 +1,145 @@
+"""`llmq`: submit a prompt, look at a queue, cancel a request. Plain argparse, no extra dependencies."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from urllib.parse import urlsplit
+
+from redis.exceptions import RedisError
+
+from client._core import DEFAULT_URL, QueueStatus, redact_url
+from client.errors import Cancelled, LLMQError
+from client.protocol import DEFAULT_PREFIX, ms_now
+from client.sync import Client, Job
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--url",
+        default=os.environ.get("LLMQ_REDIS_URL", DEFAULT_URL),
+        help="Redis URL (default: $LLMQ_REDIS_URL, else %(default)s)",
+    )
+    common.add_argument("--queue", default="default", help="queue name (default: %(default)s)")
+    common.add_argument("--prefix", default=DEFAULT_PREFIX, help="key prefix (default: %(default)s)")
+    parser = argparse.ArgumentParser(prog="llmq", description="Queue-fed LLM generation: the client side.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    submit = commands.add_parser("submit", parents=[common], help="generate from a prompt")
+    submit.add_argument("prompt")
+    submit.add_argument("--max-new-tokens", type=int, default=256)
+    submit.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    submit.add_argument("--top-p", type=float, default=1.0)
+    submit.add_argument("--top-k", type=int, default=0, help="0 = off")
+    submit.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    submit.add_argument("--seed", type=int, default=None)
+    submit.add_argument("--deadline", type=float, default=None, help="seconds from now")
+    submit.add_argument("--timeout", type=float, default=None, help="seconds to wait for the result")
+    submit.add_argument("--no-stream", action="store_true", help="print the text once it is complete")
+    submit.add_argument("--json", action="store_true", help="print the final result as one JSON object")
+
+    status = commands.add_parser("status", parents=[common], help="queue depth, lag, dead letters, workers")
+    status.add_argument("--stale-after", type=float, default=15.0, help="seconds without heartbeat = gone")
+    status.add_argument("--json", action="store_true")
+
+    cancel = commands.add_parser("cancel", parents=[common], help="cancel a request by id")
+    cancel.add_argument("request_id")
+    return parser
+
+
+def _submit(client: Client, args: argparse.Namespace) -> int:
+    job = client.submit(
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        stop=args.stop,
+        seed=args.seed,
+        deadline=args.deadline,
+    )
+    print(f"llmq: request {job.id}", file=sys.stderr)
+    try:
+        if args.json or args.no_stream:
+            return _print_result(job, args)
+        for delta in job.stream(args.timeout):
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    except KeyboardInterrupt:
+        job.cancel()
+        print(f"llmq: cancelled {job.id}", file=sys.stderr)
+        return 130
+    if job.finish_reason == "cancelled":
+        print(f"llmq: request {job.id} was cancelled", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print_result(job: Job, args: argparse.Namespace) -> int:
+    try:
+        result, code = job.result(args.timeout), 0
+    except Cancelled as exc:
+        result, code = exc.result, 1
+        print(f"llmq: {exc}", file=sys.stderr)
+    print(json.dumps(result.as_dict()) if args.json else result.text)
+    return code
+
+
+def _format_status(status: QueueStatus) -> str:
+    def unknown(value: int | None) -> str:
+        return "-" if value is None else str(value)
+
+    lines = [
+        f"queue {status.queue}: depth {status.depth}, pending {unknown(status.pending)}, "
+        f"lag {unknown(status.lag)}, dead letters {status.dead}",
+        f"live workers: {len(status.workers)}",
+    ]
+    now = ms_now()
+    for w in status.workers:
+        kv = f"{w.kv_used_blocks}/{w.kv_total_blocks}" + (
+            f" ({100 * w.kv_used_blocks / w.kv_total_blocks:.0f}%)" if w.kv_total_blocks else ""
+        )
+        lines.append(
+            f"  {w.id}  running {w.running}  waiting {w.waiting}  kv {kv}  "
+            f"heartbeat {(now - w.heartbeat) / 1000:.1f} s ago  ({w.model} on {w.host})"
+        )
+    return "\n".join(lines)
+
+
+def _status(client: Client, args: argparse.Namespace) -> int:
+    status = client.status(stale_after_s=args.stale_after)
+    print(json.dumps(status.as_dict()) if args.json else _format_status(status))
+    return 0
+
+
+def _cancel(client: Client, args: argparse.Namespace) -> int:
+    Job.attach(client, args.request_id).cancel()
+    print(f"cancel sent for {args.request_id}")
+    return 0
+
+
+def _scrub(message: str, url: str) -> str:
+    """Never print a password, even if a library echoes the URL."""
+    password = urlsplit(url).password
+    return message.replace(password, "***") if password else message
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    run = {"submit": _submit, "status": _status, "cancel": _cancel}[args.command]
+    try:
+        with Client(args.url, queue=args.queue, prefix=args.prefix) as client:
+            return run(client, args)
+    except RedisError as exc:
+        print(f"llmq: error: {_scrub(str(exc), args.url)} ({redact_url(args.url)})", file=sys.stderr)
+    except (LLMQError, ValueError, TypeError) as exc:
+        print(f"llmq: error: {_scrub(str(exc), args.url)}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

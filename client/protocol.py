@@ -1,0 +1,396 @@
+"""The llmq wire protocol, version 1: key names, message schemas and their msgpack codec.
+
+Both sides import this module (the worker too), so it depends on nothing but pydantic and msgpack.
+Every stream entry has one field, `m` (`ENTRY_FIELD`): a msgpack map whose first key is `v`.
+Decoding never raises anything but a `ProtocolError` subclass, whatever the bytes; the error carries
+the request id when one could be read, so a worker can still answer an invalid request.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from client.errors import ErrorCode, LLMQError
+
+__all__ = [
+    "CONSUMER_GROUP",
+    "DEFAULT_PREFIX",
+    "ENTRY_FIELD",
+    "PROTOCOL_VERSION",
+    "ChatMessage",
+    "DoneEvent",
+    "ErrorCode",
+    "ErrorEvent",
+    "Event",
+    "FinishReason",
+    "GenerateRequest",
+    "InvalidRequest",
+    "Keys",
+    "LimitExceeded",
+    "MalformedEntry",
+    "ProtocolError",
+    "RequestLimits",
+    "SamplingParams",
+    "Timings",
+    "TokensEvent",
+    "UnsupportedVersion",
+    "Usage",
+    "WorkerInfo",
+    "decode_event",
+    "decode_request",
+    "decode_worker",
+    "encode",
+    "is_valid_id",
+    "ms_now",
+    "parse_request",
+]
+
+PROTOCOL_VERSION = 1
+DEFAULT_PREFIX = "llmq"
+CONSUMER_GROUP = "workers"
+ENTRY_FIELD = b"m"
+
+# Request ids, queue names and prefixes end up inside key names and hash tags: no braces, no spaces.
+_NAME_CHARS = r"[A-Za-z0-9._:-]{1,128}"
+_NAME = re.compile(_NAME_CHARS)
+_I64_MAX = 2**63 - 1  # msgpack carries 64-bit integers; bounding every count keeps encode() total
+
+
+def ms_now() -> int:
+    """Wall-clock time in epoch milliseconds, the unit of every timestamp on the wire."""
+    return time.time_ns() // 1_000_000
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+class ProtocolError(LLMQError, ValueError):
+    """Bytes or fields that break the protocol; `request_id` is set when the entry named a valid one."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class MalformedEntry(ProtocolError):
+    """Not msgpack, not a map, no usable `v`, or (requests) no valid `id`: nobody to answer."""
+
+
+class UnsupportedVersion(ProtocolError):
+    """`v` is not `PROTOCOL_VERSION`."""
+
+
+class InvalidRequest(ProtocolError):
+    """A request that fails schema validation (types, ranges, unknown fields) or `RequestLimits`."""
+
+
+class LimitExceeded(InvalidRequest):
+    """A request over one of `RequestLimits`; `limit` is the field name, e.g. `max_prompt_bytes`."""
+
+    def __init__(self, limit: str, message: str, request_id: str | None = None) -> None:
+        super().__init__(message, request_id)
+        self.limit = limit
+
+
+# --- keys ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names of one queue; all share the hash tag `{<prefix>:<queue>}`, so a queue is one shard."""
+
+    queue: str
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        for what, name in (("queue", self.queue), ("prefix", self.prefix)):
+            if not _NAME.fullmatch(name):
+                raise ValueError(f"{what} {name!r} must be 1-128 characters of [A-Za-z0-9._:-]")
+
+    @property
+    def tag(self) -> str:
+        return f"{{{self.prefix}:{self.queue}}}"
+
+    @property
+    def requests(self) -> str:
+        """Stream of unfinished requests, read by consumer group `CONSUMER_GROUP`."""
+        return f"{self.tag}:requests"
+
+    @property
+    def dead(self) -> str:
+        """Stream of dead letters."""
+        return f"{self.tag}:dead"
+
+    @property
+    def cancel_channel(self) -> str:
+        """Pub/sub channel; each message is the id of a request to cancel."""
+        return f"{self.tag}:cancel"
+
+    @property
+    def workers(self) -> str:
+        """Hash: worker id -> msgpack `WorkerInfo`."""
+        return f"{self.tag}:workers"
+
+    def result(self, request_id: str) -> str:
+        """Stream of one request's events; every write refreshes its TTL."""
+        return f"{self.tag}:result:{request_id}"
+
+    def cancel(self, request_id: str) -> str:
+        """Cancel mark (with a TTL), for a worker that missed the pub/sub message."""
+        return f"{self.tag}:cancel:{request_id}"
+
+    def submitted(self, request_id: str) -> str:
+        """Idempotency marker set by the submit script; lives for the request's `result_ttl`."""
+        return f"{self.tag}:id:{request_id}"
+
+
+# --- models -------------------------------------------------------------------------------------
+
+_Count = Annotated[int, Field(strict=True, ge=0, le=_I64_MAX)]
+_Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+_Version = Annotated[int, Field(strict=True)]
+
+
+class _Size:
+    """Stands in for hidden text or token ids in reprs: their size, not their content."""
+
+    def __init__(self, value: Any) -> None:
+        self.size = len(value)
+
+    def __repr__(self) -> str:
+        return f"<{self.size} hidden>"
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    _hidden: ClassVar[frozenset[str]] = frozenset()
+
+    def __repr_args__(self) -> Any:
+        for name, value in super().__repr_args__():
+            yield name, (_Size(value) if name in self._hidden and value is not None else value)
+
+
+class SamplingParams(_Wire):
+    max_new_tokens: Annotated[int, Field(strict=True, ge=1, le=_I64_MAX)] = 256
+    temperature: Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)] = 1.0  # 0 = greedy
+    top_p: Annotated[float, Field(strict=True, gt=0, le=1)] = 1.0
+    top_k: _Count = 0  # 0 = off
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
+    seed: Annotated[int, Field(strict=True, ge=-(2**63), le=2**64 - 1)] | None = None
+    ignore_eos: Annotated[bool, Field(strict=True)] = False
+
+
+class ChatMessage(_Wire):
+    _hidden = frozenset({"content"})
+    role: Annotated[str, Field(min_length=1)]
+    content: str
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Upper bounds both sides enforce: the client before submitting, the worker after decoding."""
+
+    max_prompt_bytes: int = 1_000_000
+    max_input_ids: int = 131072
+    max_new_tokens: int = 8192
+    max_stop: int = 8
+    max_stop_bytes: int = 256  # per stop string, UTF-8
+
+
+class GenerateRequest(_Wire):
+    _hidden = frozenset({"prompt", "messages", "input_ids"})
+    v: _Version = PROTOCOL_VERSION
+    id: Annotated[str, Field(pattern=f"^{_NAME_CHARS}$")]
+    prompt: Annotated[str, Field(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    input_ids: Annotated[list[_Count], Field(min_length=1)] | None = None
+    params: SamplingParams = Field(default_factory=SamplingParams)
+    deadline: _Count | None = None  # epoch ms
+    result_ttl: Annotated[int, Field(strict=True, ge=1, le=_I64_MAX)] = 3600  # s
+    submitted: _Count  # epoch ms
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateRequest:
+        given = [self.prompt is not None, self.messages is not None, self.input_ids is not None]
+        if sum(given) != 1:
+            raise ValueError("exactly one of prompt, messages, input_ids is required")
+        return self
+
+    def prompt_bytes(self) -> int:
+        """UTF-8 size of the text input (0 for `input_ids`), the measure of `max_prompt_bytes`."""
+        if self.prompt is not None:
+            return len(self.prompt.encode())
+        return sum(len(m.role.encode()) + len(m.content.encode()) for m in self.messages or ())
+
+    def check_limits(self, limits: RequestLimits) -> None:
+        """Raise `LimitExceeded` naming the first limit this request is over."""
+        stop = self.params.stop
+        measured = (
+            ("max_prompt_bytes", self.prompt_bytes()),
+            ("max_input_ids", len(self.input_ids or ())),
+            ("max_new_tokens", self.params.max_new_tokens),
+            ("max_stop", len(stop)),
+            ("max_stop_bytes", max((len(s.encode()) for s in stop), default=0)),
+        )
+        for limit, value in measured:
+            bound = getattr(limits, limit)
+            if value > bound:
+                raise LimitExceeded(limit, f"{limit}: {value} is over the limit of {bound}", self.id)
+
+
+FinishReason = Literal["stop", "length", "eos", "cancelled"]
+
+
+class TokensEvent(_Wire):
+    """A chunk of output; `seq` is the index of its first token in the whole output.
+
+    A chunk holds at least one token, so readers can drop what they have seen by token index;
+    `text` is the chunk's detokenized delta (possibly empty while a multi-byte character is incomplete).
+    """
+
+    _hidden = frozenset({"ids", "text"})
+    v: _Version = PROTOCOL_VERSION
+    type: Literal["tokens"] = "tokens"
+    seq: _Count
+    ids: Annotated[list[_Count], Field(min_length=1)]
+    text: str
+
+
+class Usage(_Wire):
+    prompt_tokens: _Count
+    completion_tokens: _Count
+
+
+class Timings(_Wire):
+    """Milliseconds; may be negative under clock skew between client and worker hosts."""
+
+    queue_ms: _Float | None = None
+    ttft_ms: _Float | None = None
+    total_ms: _Float | None = None
+
+
+class DoneEvent(_Wire):
+    v: _Version = PROTOCOL_VERSION
+    type: Literal["done"] = "done"
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings = Field(default_factory=Timings)
+
+
+class ErrorEvent(_Wire):
+    """`code` stays a plain str when this side does not know it, so newer workers remain readable."""
+
+    v: _Version = PROTOCOL_VERSION
+    type: Literal["error"] = "error"
+    code: Annotated[ErrorCode | str, Field(union_mode="left_to_right")]
+    message: str
+    retryable: Annotated[bool, Field(strict=True)] = False
+
+
+Event = Annotated[TokensEvent | DoneEvent | ErrorEvent, Field(discriminator="type")]
+_EVENT: TypeAdapter[TokensEvent | DoneEvent | ErrorEvent] = TypeAdapter(Event)
+
+
+class WorkerInfo(_Wire):
+    """A worker's heartbeat; `tokens_generated` is a counter since `started`."""
+
+    v: _Version = PROTOCOL_VERSION
+    id: str
+    host: str
+    pid: _Count
+    queue: str
+    model: str
+    running: _Count
+    waiting: _Count
+    kv_used_blocks: _Count
+    kv_total_blocks: _Count
+    tokens_generated: _Count
+    started: _Count  # epoch ms
+    heartbeat: _Count  # epoch ms
+
+
+# --- codec --------------------------------------------------------------------------------------
+
+
+def encode(model: BaseModel) -> bytes:
+    """msgpack of the model's fields in declaration order (so `v` comes first), without None values."""
+    return msgpack.packb(model.model_dump(exclude_none=True))
+
+
+def _summarize(exc: ValidationError, shown: int = 3) -> str:
+    """pydantic's errors as one short line, without the (possibly huge) input values."""
+    errors = exc.errors(include_url=False, include_input=False, include_context=False)
+    parts = [
+        ".".join(map(str, e["loc"])) + ": " * bool(e["loc"]) + e["msg"].removeprefix("Value error, ")
+        for e in errors[:shown]
+    ]
+    more = f" (+{len(errors) - shown} more)" if len(errors) > shown else ""
+    return ("; ".join(parts) + more)[:500]
+
+
+def is_valid_id(request_id: object) -> bool:
+    """Whether a request id may be used in key names: 1-128 characters of [A-Za-z0-9._:-]."""
+    return isinstance(request_id, str) and _NAME.fullmatch(request_id) is not None
+
+
+def _valid_id(data: dict[Any, Any]) -> str | None:
+    rid = data.get("id")
+    return rid if is_valid_id(rid) else None
+
+
+def _unpack(raw: bytes) -> dict[Any, Any]:
+    try:
+        data = msgpack.unpackb(raw, raw=False)
+    except Exception as exc:  # msgpack raises a zoo of types (ValueError, TypeError, StackError...)
+        raise MalformedEntry(f"not msgpack ({type(exc).__name__})") from None
+    if not isinstance(data, dict):
+        raise MalformedEntry(f"expected a msgpack map, got {type(data).__name__}")
+    version = data.get("v")
+    if type(version) is not int:
+        raise MalformedEntry("no integer protocol version 'v'")
+    if version != PROTOCOL_VERSION:
+        raise UnsupportedVersion(
+            f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION})",
+            _valid_id(data),
+        )
+    return data
+
+
+def parse_request(data: dict[str, Any]) -> GenerateRequest:
+    """Validate request fields; raise `InvalidRequest` with a one-line summary."""
+    try:
+        return GenerateRequest.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidRequest(f"invalid request: {_summarize(exc)}", _valid_id(data)) from None
+
+
+def decode_request(raw: bytes) -> GenerateRequest:
+    """A request entry's `m` field; limits are checked separately (`GenerateRequest.check_limits`)."""
+    data = _unpack(raw)
+    if _valid_id(data) is None:
+        raise MalformedEntry("request has no valid 'id'")
+    return parse_request(data)
+
+
+def decode_event(raw: bytes) -> TokensEvent | DoneEvent | ErrorEvent:
+    """A result stream entry's `m` field."""
+    data = _unpack(raw)
+    try:
+        return _EVENT.validate_python(data)
+    except ValidationError as exc:
+        raise MalformedEntry(f"invalid event: {_summarize(exc)}") from None
+
+
+def decode_worker(raw: bytes) -> WorkerInfo:
+    """A value of the `workers` hash."""
+    data = _unpack(raw)
+    try:
+        return WorkerInfo.model_validate(data)
+    except ValidationError as exc:
+        raise MalformedEntry(f"invalid worker info: {_summarize(exc)}") from None

@@ -1,0 +1,155 @@
+"""`llmq` against the session's redis, through `main(argv)` and once as a real process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import redis.asyncio as aioredis
+
+from client import protocol
+from client.cli import main
+from tests.client.twins import KEYS, done, emit, tokens
+from tests.redis_server import free_port
+
+pytestmark = pytest.mark.redis
+
+
+async def serve_one(
+    server: aioredis.Redis, *events: protocol.TokensEvent | protocol.DoneEvent
+) -> protocol.GenerateRequest:
+    """Answer the next request on the default queue with `events`, as a worker would."""
+    [[_key, [(_entry, fields)]]] = await server.xread({KEYS.requests: "0-0"}, block=10_000)
+    request = protocol.decode_request(fields[protocol.ENTRY_FIELD])
+    await emit(server, request.id, *events)
+    return request
+
+
+async def test_submit_streams_text(redis_url: str, server: aioredis.Redis, capsys: pytest.CaptureFixture[str]) -> None:
+    serving = asyncio.create_task(serve_one(server, tokens(0, [1], "Hello"), tokens(1, [2], ", world"), done()))
+    code = await asyncio.to_thread(
+        main,
+        [
+            "submit",
+            "Hi",
+            "--url",
+            redis_url,
+            "--max-new-tokens",
+            "5",
+            "--temperature",
+            "0",
+            "--stop",
+            "\n",
+            "--stop",
+            "END",
+            "--top-k",
+            "3",
+            "--timeout",
+            "10",
+        ],
+    )
+    request = await serving
+    out = capsys.readouterr()
+    assert code == 0 and out.out == "Hello, world\n"
+    assert f"request {request.id}" in out.err
+    assert request.params == protocol.SamplingParams(max_new_tokens=5, temperature=0.0, top_k=3, stop=["\n", "END"])
+
+
+async def test_submit_json(redis_url: str, server: aioredis.Redis, capsys: pytest.CaptureFixture[str]) -> None:
+    serving = asyncio.create_task(serve_one(server, tokens(0, [1, 2], "ok"), done("stop", 2)))
+    code = await asyncio.to_thread(main, ["submit", "Hi", "--url", redis_url, "--json", "--timeout", "10"])
+    await serving
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert (result["text"], result["token_ids"], result["finish_reason"]) == ("ok", [1, 2], "stop")
+    assert result["usage"] == {"prompt_tokens": 3, "completion_tokens": 2}
+
+
+async def test_submit_no_stream_reports_a_cancel(
+    redis_url: str, server: aioredis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    serving = asyncio.create_task(serve_one(server, tokens(0, [1], "part"), done("cancelled", 1)))
+    code = await asyncio.to_thread(main, ["submit", "Hi", "--url", redis_url, "--no-stream", "--timeout", "10"])
+    await serving
+    out = capsys.readouterr()
+    assert code == 1 and out.out == "part\n" and "cancelled" in out.err
+
+
+def test_submit_rejects_bad_input_without_redis(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["submit", "Hi", "--url", "redis://127.0.0.1:1/0", "--temperature", "-1"]) == 1
+    assert "temperature" in capsys.readouterr().err
+
+
+async def test_status_json(redis_url: str, server: aioredis.Redis, capsys: pytest.CaptureFixture[str]) -> None:
+    await server.xadd(KEYS.requests, {"m": b"x"})
+    await server.xadd(KEYS.dead, {"m": b"x"})
+    assert await asyncio.to_thread(main, ["status", "--json", "--url", redis_url]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status == {"queue": "default", "depth": 1, "pending": None, "lag": None, "dead": 1, "workers": []}
+
+
+async def test_status_text_lists_workers(
+    redis_url: str, server: aioredis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    now = protocol.ms_now()
+    info = protocol.WorkerInfo(
+        id="gpu-worker-1",
+        host="h",
+        pid=1,
+        queue="default",
+        model="m",
+        running=2,
+        waiting=3,
+        kv_used_blocks=25,
+        kv_total_blocks=100,
+        tokens_generated=9,
+        started=now,
+        heartbeat=now,
+    )
+    await server.hset(KEYS.workers, "gpu-worker-1", protocol.encode(info))
+    assert await asyncio.to_thread(main, ["status", "--url", redis_url]) == 0
+    out = capsys.readouterr().out
+    assert "depth 0" in out and "live workers: 1" in out
+    assert "gpu-worker-1" in out and "running 2" in out and "waiting 3" in out and "25/100 (25%)" in out
+
+
+async def test_cancel(redis_url: str, server: aioredis.Redis, capsys: pytest.CaptureFixture[str]) -> None:
+    assert await asyncio.to_thread(main, ["cancel", "req-42", "--url", redis_url, "--queue", "chat"]) == 0
+    assert await server.exists(protocol.Keys("chat").cancel("req-42"))
+    assert "req-42" in capsys.readouterr().out
+
+
+def test_url_from_environment(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("LLMQ_REDIS_URL", redis_url)
+    assert main(["status", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["depth"] == 0
+
+
+def test_errors_are_one_line_without_the_password(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    assert main(["status", "--url", url]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("llmq: error:")
+    assert "hunter2" not in err and ":***@" in err
+    assert main(["cancel", "bad id", "--url", url]) == 1
+    assert "request id" in capsys.readouterr().err
+
+
+def test_console_entry_point(redis_url: str) -> None:
+    env = {**os.environ, "LLMQ_REDIS_URL": redis_url}
+    done_ = subprocess.run(
+        [sys.executable, "-m", "client.cli", "status", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert done_.returncode == 0, done_.stderr
+    assert json.loads(done_.stdout)["queue"] == "default"

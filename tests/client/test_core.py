@@ -1,0 +1,320 @@
+"""The sans-I/O core: result accumulation, deadlines, URL redaction, errors, retry policy.
+
+No redis-server here; where a client object is needed, fakeredis stands in.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from datetime import UTC, datetime, timedelta
+
+import fakeredis
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from client import (
+    Cancelled,
+    Client,
+    ErrorCode,
+    InvalidRequest,
+    LimitExceeded,
+    MalformedEntry,
+    RequestExpired,
+    RequestFailed,
+    ResultTimeout,
+    error_from_event,
+)
+from client import _core as core
+from client._core import ResultBuilder, ResultReader, deadline_ms, redact_url
+from client.protocol import (
+    ChatMessage,
+    DoneEvent,
+    ErrorEvent,
+    RequestLimits,
+    TokensEvent,
+    Usage,
+    decode_request,
+    encode,
+)
+
+
+def chunk(seq: int, ids: list[int], text: str) -> TokensEvent:
+    return TokensEvent(seq=seq, ids=ids, text=text)
+
+
+DONE = DoneEvent(finish_reason="stop", usage=Usage(prompt_tokens=1, completion_tokens=4))
+
+
+def feed_all(builder: ResultBuilder, *events: TokensEvent | DoneEvent | ErrorEvent) -> str:
+    """The concatenated text of the deltas the builder produced."""
+    return "".join(d.text for e in events if (d := builder.feed(e)) is not None)
+
+
+def test_builder_in_order() -> None:
+    builder = ResultBuilder("r")
+    assert feed_all(builder, chunk(0, [1, 2], "ab"), chunk(2, [3], "c"), DONE) == "abc"
+    result = builder.outcome(raise_cancelled=True)
+    assert (result.text, result.token_ids, result.finish_reason) == ("abc", [1, 2, 3], "stop")
+    assert result.usage.completion_tokens == 4
+
+
+def test_builder_drops_duplicates_by_seq() -> None:
+    builder = ResultBuilder("r")
+    assert builder.feed(chunk(0, [1], "a")) is not None
+    assert builder.feed(chunk(0, [1], "a")) is None
+    assert builder.feed(chunk(1, [2], "b")).seq == 1  # type: ignore[union-attr]
+    assert builder.feed(chunk(0, [1], "a")) is None
+    assert (builder.text, builder.token_ids) == ("ab", [1, 2])
+
+
+def test_builder_slices_a_merged_resend() -> None:
+    # A writer that re-sends two chunks merged into one, starting at one of our chunk boundaries.
+    builder = ResultBuilder("r")
+    text = feed_all(builder, chunk(0, [1], "a"), chunk(1, [2], "b"), chunk(1, [2, 3, 4], "bcd"), DONE)
+    assert text == "abcd"
+    assert builder.token_ids == [1, 2, 3, 4]
+    delta = ResultBuilder("r")
+    delta.feed(chunk(0, [1, 2], "ab"))
+    assert delta.feed(chunk(0, [1, 2, 3], "abc")) == core.Delta(text="c", token_ids=[3], seq=2)
+
+
+def test_builder_aligns_a_resend_that_starts_inside_a_chunk() -> None:
+    builder = ResultBuilder("r")
+    feed_all(builder, chunk(0, [1, 2], "ab"))
+    assert builder.feed(chunk(1, [2, 3], "bc")) == core.Delta(text="c", token_ids=[3], seq=2)
+
+
+@pytest.mark.parametrize(
+    ("seen", "resend"),
+    [
+        ([chunk(0, [1, 2], "ab")], chunk(1, [9, 3], "bc")),  # a stale writer that sampled differently
+        ([chunk(0, [1, 2], "ab"), chunk(2, [3], "c")], chunk(1, [2, 3, 4], "Xcd")),
+    ],  # text lines up nowhere
+)
+def test_builder_keeps_tokens_but_not_text_it_cannot_place(
+    seen: list[TokensEvent], resend: TokensEvent, caplog: pytest.LogCaptureFixture
+) -> None:
+    builder = ResultBuilder("r")
+    feed_all(builder, *seen)
+    with caplog.at_level(logging.WARNING, logger="llmq.client"):
+        delta = builder.feed(resend)
+    assert delta is not None and delta.text == "" and delta.token_ids == resend.ids[-1:]
+    assert "conflicting chunk" in caplog.text
+
+
+def test_builder_rejects_a_gap() -> None:
+    builder = ResultBuilder("r")
+    builder.feed(chunk(0, [1], "a"))
+    with pytest.raises(MalformedEntry, match="gap"):
+        builder.feed(chunk(2, [3], "c"))
+
+
+def test_builder_ignores_events_after_the_terminal_one() -> None:
+    builder = ResultBuilder("r")
+    feed_all(builder, chunk(0, [1], "a"), DONE, chunk(1, [2], "b"), ErrorEvent(code="internal", message="x"))
+    assert builder.outcome(raise_cancelled=True).text == "a"
+
+
+def test_builder_outcomes() -> None:
+    failed = ResultBuilder("r1")
+    failed.feed(ErrorEvent(code=ErrorCode.ENGINE_FAILED, message="boom", retryable=True))
+    with pytest.raises(RequestFailed) as info:
+        failed.outcome(raise_cancelled=False)
+    assert (info.value.code, info.value.retryable, info.value.request_id) == ("engine_failed", True, "r1")
+
+    cancelled = ResultBuilder("r2")
+    feed_all(
+        cancelled,
+        chunk(0, [1], "a"),
+        DoneEvent(finish_reason="cancelled", usage=Usage(prompt_tokens=1, completion_tokens=1)),
+    )
+    assert cancelled.outcome(raise_cancelled=False).finish_reason == "cancelled"
+    with pytest.raises(Cancelled) as stopped:
+        cancelled.outcome(raise_cancelled=True)
+    assert stopped.value.result.text == "a"
+
+
+@st.composite
+def deliveries(draw: st.DrawFn) -> tuple[list[int], list[str], list[TokensEvent]]:
+    """An output cut into chunks, delivered in order with re-sends: merged runs that start at a chunk
+    already delivered (or the next one) and may reach past what was delivered."""
+    n = draw(st.integers(1, 30))
+    ids = list(range(100, 100 + n))
+    # Distinct (or empty) text per token: then a resend's text aligns with ours in exactly one way.
+    texts = [f"<{i}>" if draw(st.booleans()) else "" for i in range(n)]
+    cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=n)) if n > 1 else set())
+    bounds = [0, *cuts, n]
+    chunks = list(itertools.pairwise(bounds))
+    events: list[TokensEvent] = []
+    for i, (a, b) in enumerate(chunks):
+        if draw(st.booleans()):  # a run of chunks merged into one, from a delivered one to any later one
+            first = draw(st.integers(0, i))
+            start, end = chunks[first][0], chunks[draw(st.integers(first, len(chunks) - 1))][1]
+            events.append(chunk(start, ids[start:end], "".join(texts[start:end])))
+        events.append(chunk(a, ids[a:b], "".join(texts[a:b])))
+    return ids, texts, events
+
+
+@given(deliveries())
+def test_builder_resends_never_change_the_output(case: tuple[list[int], list[str], list[TokensEvent]]) -> None:
+    ids, texts, events = case
+    builder = ResultBuilder("r")
+    deltas = [d for e in events if (d := builder.feed(e)) is not None]
+    assert [t for d in deltas for t in d.token_ids] == ids == builder.token_ids
+    assert "".join(d.text for d in deltas) == "".join(texts) == builder.text
+    assert [d.seq for d in deltas] == [sum(len(x.token_ids) for x in deltas[:i]) for i in range(len(deltas))]
+
+
+def test_deadline_ms() -> None:
+    now = 1_000_000
+    assert deadline_ms(None, now) is None
+    assert deadline_ms(2.5, now) == now + 2500
+    assert deadline_ms(timedelta(minutes=1), now) == now + 60_000
+    assert deadline_ms(datetime(2030, 1, 1, tzinfo=UTC), now) == 1_893_456_000_000
+    with pytest.raises(ValueError, match="positive"):
+        deadline_ms(-1, now)
+    with pytest.raises(TypeError):
+        deadline_ms(True, now)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://localhost:6379/0", "redis://localhost:6379/0"),
+        ("redis://:hunter2@localhost:6379/0", "redis://:***@localhost:6379/0"),
+        ("rediss://alice:hunter2@cache.example:6380/1", "rediss://alice:***@cache.example:6380/1"),
+        ("redis://alice:p%40ss@h/0", "redis://alice:***@h/0"),
+    ],
+)
+def test_redact_url(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+
+
+@pytest.mark.parametrize(
+    ("code", "cls"),
+    [(ErrorCode.EXPIRED, RequestExpired), (ErrorCode.INTERNAL, RequestFailed), ("brand_new", RequestFailed)]
+    + [(c, RequestFailed) for c in ErrorCode if c is not ErrorCode.EXPIRED],
+)
+def test_error_from_event(code: str, cls: type[RequestFailed]) -> None:
+    error = error_from_event(ErrorEvent(code=code, message="why"), "r9")
+    assert type(error) is cls
+    assert error.code == str(code) and error.message == "why"
+    assert "r9" in str(error) and str(code) in str(error)
+
+
+def test_result_timeout_says_what_it_waited_for() -> None:
+    first = ResultTimeout("r1", 2.0, 0)
+    assert isinstance(first, TimeoutError)
+    assert "'r1'" in str(first) and "first event" in str(first)
+    assert "'done' event after 7 tokens" in str(ResultTimeout("r1", 2.0, 7))
+
+
+def test_reader_retries_with_capped_backoff_then_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(core.time, "monotonic", lambda: clock[0])
+    reader = ResultReader("r", "k")
+    delays = [reader.retry_delay(ConnectionError("down")) for _ in range(8)]
+    assert delays[:3] == [0.05, 0.1, 0.2] and max(delays) == core.BACKOFF_CAP_S  # type: ignore[type-var]
+    clock[0] += core.RECONNECT_BUDGET_S + 1
+    assert reader.retry_delay(ConnectionError("still down")) is None
+    reader.consume([])  # a successful read resets the budget
+    assert reader.retry_delay(ConnectionError("again")) == 0.05
+
+
+def test_reader_block_stays_under_socket_and_caller_timeouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [0.0]
+    monkeypatch.setattr(core.time, "monotonic", lambda: clock[0])
+    reader = ResultReader("r", "k")
+    assert reader.block_ms(0.0, None, None) == core.BLOCK_S * 1000
+    assert reader.block_ms(0.0, None, 1.0) == 500
+    assert reader.block_ms(0.0, 0.3, None) == 300
+    clock[0] = 0.3
+    with pytest.raises(ResultTimeout):
+        reader.block_ms(0.0, 0.3, None)
+
+
+def test_reader_accepts_resp2_and_resp3_replies() -> None:
+    event = {b"m": encode(chunk(0, [1], "a"))}
+    resp2 = ResultReader("r", "k")
+    assert [d.text for d in resp2.consume([[b"k", [(b"1-0", event)]]])] == ["a"]
+    assert resp2.last_id == b"1-0"
+    resp3 = ResultReader("r", "k")
+    assert [d.text for d in resp3.consume({b"k": [[b"2-0", event]]})] == ["a"]
+
+
+# --- building requests (no Redis is touched) -----------------------------------------------------
+
+
+@pytest.fixture
+def client() -> Client:
+    return Client(redis=fakeredis.FakeRedis(), limits=RequestLimits(max_new_tokens=300), result_ttl=60)
+
+
+def test_build_request_fills_the_envelope(client: Client) -> None:
+    request = client.build_request(
+        None,
+        messages=[{"role": "user", "content": "hi"}],
+        input_ids=None,
+        deadline=10,
+        request_id=None,
+        params={"temperature": 0.0, "stop": None, "seed": 3},
+    )
+    assert len(request.id) == 32 and request.result_ttl == 60
+    assert request.deadline is not None and request.deadline - request.submitted == 10_000
+    assert request.params.temperature == 0.0 and request.params.stop == [] and request.params.seed == 3
+    assert decode_request(encode(request)) == request
+
+
+def test_build_request_takes_chat_message_models(client: Client) -> None:
+    request = client.build_request(
+        None,
+        messages=[ChatMessage(role="system", content="be brief"), {"role": "user", "content": "hi"}],
+        input_ids=None,
+        deadline=None,
+        request_id="chat-1",
+        params={},
+    )
+    assert [m.role for m in request.messages or ()] == ["system", "user"]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"prompt": None},
+        {"prompt": "a", "input_ids": [1]},
+        {"temperature": -1.0},
+        {"temperature": "0.5"},
+        {"top_p": 0.0},
+        {"max_new_tokens": True},
+        {"stop": [""]},
+        {"request_id": "has space"},
+        {"request_id": "x" * 129},
+        {"deadline": -5},
+    ],
+)
+def test_submit_validates_before_touching_redis(kwargs: dict[str, object]) -> None:
+    unreachable = Client("redis://127.0.0.1:1/0")  # nothing listens there: any Redis call would fail
+    kwargs = {"prompt": "hello", **kwargs}
+    with pytest.raises(ValueError) as info:
+        unreachable.submit(**kwargs)  # type: ignore[arg-type]
+    assert isinstance(info.value, InvalidRequest) or "deadline" in str(info.value)
+
+
+def test_submit_enforces_limits(client: Client) -> None:
+    with pytest.raises(LimitExceeded, match="max_new_tokens"):
+        client.submit("hello", max_new_tokens=301)
+
+
+def test_client_refuses_decoded_responses() -> None:
+    with pytest.raises(ValueError, match="decode_responses"):
+        Client(redis=fakeredis.FakeRedis(decode_responses=True))
+
+
+def test_ssl_ca_certs_needs_rediss() -> None:
+    with pytest.raises(ValueError, match="rediss"):
+        Client("redis://:pw@localhost/0", ssl_ca_certs="/etc/ca.pem")
+    tls = Client("rediss://:pw@localhost/0", ssl_ca_certs="/etc/ca.pem")
+    assert tls._redis.connection_pool.connection_kwargs["ssl_ca_certs"] == "/etc/ca.pem"
+    assert "pw" not in repr(tls) and "***" in repr(tls)
