@@ -196,3 +196,14 @@ async def test_stats_count_what_was_served(llama_dir: Path, make_engine: Any) ->
     assert after.steps > 0 and 0 < after.batch_fill_p50 <= after.batch_fill_p99 <= 1.0
     assert after.requests_finished == {"length": 6}
     assert after.running == after.waiting == after.kv_blocks_reserved == 0
+
+
+async def test_model_is_usable_by_generate_after_close(llama_dir: Path, make_engine: Any) -> None:
+    model, tokenizer = load(llama_dir)
+    expected = reference_greedy(model, [3, 4, 5], 5)
+    engine = await make_engine(llama_dir, model, tokenizer)
+    assert (
+        tokens_of(await collect(engine.submit(EngineRequest("x", input_ids=[3, 4, 5], params=greedy(5))))) == expected
+    )
+    await engine.close()
+    assert reference_greedy(model, [3, 4, 5], 5) == expected

@@ -23,6 +23,8 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 from transformers.generation.continuous_batching.requests import GenerationOutput
 
+from worker.engine import attention, sampling
+from worker.engine.attention import supports_varlen
 from worker.engine.errors import EngineClosed, EngineError, EngineFailed, InvalidRequest
 from worker.engine.inputs import InputProcessor, ModelLimits, PreparedRequest
 from worker.engine.outputs import IncrementalDetokenizer
@@ -43,6 +45,7 @@ class EngineConfig:
     max_running: int = 64
     prefix_sharing: bool = False
     seed: int | None = None
+    varlen_attention: bool = True  # per-request attention instead of the library's dense masked SDPA
     stop_timeout_s: float = 30.0
 
 
@@ -88,6 +91,7 @@ class Engine:
         if self._manager is not None:
             manager, self._manager = self._manager, None
             await asyncio.to_thread(manager.stop, block=True, timeout=self.config.stop_timeout_s, hard_stop=True)
+        self._restore_attention()
 
     async def __aenter__(self) -> Engine:
         return await self.start()
@@ -162,6 +166,7 @@ class Engine:
     def _start_manager(self) -> None:
         """Builds and starts a fresh library manager (blocking: runs in a worker thread)."""
         sizing = self.config
+        self._restore_attention()
         manager = self.model.init_continuous_batching(
             # Processors are created only for non-default values; every request then passes its own.
             generation_config=GenerationConfig(
@@ -177,7 +182,13 @@ class Engine:
                 seed=sizing.seed,
             ),
         )
+        if self.config.varlen_attention and supports_varlen(self.model):
+            # Switched after the manager checked the implementation and before it builds its batch buffers,
+            # so it builds no dense masks either; switched back before any new manager and on close.
+            attention.register()
+            self.model.set_attn_implementation(attention.ATTENTION_NAME)
         manager.warmup()  # allocates the paged cache now, so its real size is known before the first request
+        sampling.install(manager)
         self.counters.instrument(manager)
         manager.start()
         cache = manager.batch_processor.cache
@@ -191,6 +202,11 @@ class Engine:
             ),
         )
         self._manager = manager
+
+    def _restore_attention(self) -> None:
+        """Gives the model back its SDPA attention, for the library's checks and for `model.generate`."""
+        if self.model.config._attn_implementation == attention.ATTENTION_NAME:
+            self.model.set_attn_implementation("sdpa")
 
     def _admit(self) -> None:
         """Starts waiting requests, oldest first, while batch slots and unreserved KV blocks allow."""
