@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+from client import AsyncClient
+from tests.tiny_models import save_tiny_model
+from worker.config import Settings
+from worker.engine import Engine, LoadOptions, load_model
+from worker.service import Worker, engine_config
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("worker-model"), "llama", max_positions=512)
+
+
+def worker_settings(redis_url: str, model_dir: Path, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {
+        "redis_url": redis_url,
+        "model": str(model_dir),
+        "kv_cache_tokens": 2048,
+        "page_size": 16,
+        "max_batch_tokens": 128,
+        "max_running": 8,
+        "read_block_ms": 50,
+        "heartbeat_s": 0.2,
+        "model_cache_dir": model_dir / "cache",
+        **overrides,
+    }
+    return Settings(_env_file=None, **values)
+
+
+@dataclass
+class RunningWorker:
+    worker: Worker
+    stop: asyncio.Event
+    task: asyncio.Task[None]
+
+
+@pytest.fixture
+async def start_worker(redis_url: str, model_dir: Path) -> AsyncIterator[Callable[..., Any]]:
+    """Starts in-process workers (real engine, real Redis); all are stopped after the test."""
+    started: list[tuple[RunningWorker, Engine, Redis]] = []
+
+    async def start(**overrides: Any) -> RunningWorker:
+        settings = worker_settings(redis_url, model_dir, **overrides)
+        model, tokenizer = load_model(settings.model, LoadOptions(cache_dir=settings.model_cache_dir))
+        engine = await Engine(model, tokenizer, engine_config(settings)).start()
+        redis = Redis.from_url(redis_url)
+        worker = Worker(settings, engine, redis)
+        stop = asyncio.Event()
+        running = RunningWorker(worker, stop, asyncio.create_task(worker.run(stop)))
+        started.append((running, engine, redis))
+        return running
+
+    yield start
+    for running, engine, redis in started:
+        running.stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(running.task, 30)
+        await engine.close()
+        await redis.aclose()
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[AsyncClient]:
+    async with AsyncClient(redis_url) as client:
+        yield client

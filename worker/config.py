@@ -1,0 +1,79 @@
+"""Worker settings: one object, built once at the edge (`service.py`), from `LLMQ_*` environment variables,
+an optional `.env` file, and command-line flags (highest priority). Nothing else reads the environment."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from client.protocol import DEFAULT_PREFIX, RequestLimits
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class Settings(BaseSettings):
+    """Every field is `LLMQ_<NAME>` in the environment and `--<name>` on the command line."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="LLMQ_",
+        env_file=".env",
+        extra="forbid",
+        cli_kebab_case=True,
+        cli_prog_name="llmq-worker",
+        cli_implicit_flags=True,
+    )
+
+    # Redis and the queue
+    redis_url: SecretStr = Field(SecretStr("redis://localhost:6379/0"), description="redis:// or rediss:// URL")
+    redis_ca_file: Path | None = Field(None, description="CA bundle for rediss:// (TLS)")
+    queue: str = Field("default", description="queue name; keys are {<prefix>:<queue>}:*")
+    prefix: str = Field(DEFAULT_PREFIX, description="key prefix, so deployments can share a Redis")
+    worker_id: str = Field(default_factory=default_worker_id, description="consumer name in the group")
+
+    # Model
+    model: str = Field("smollm2", description="'smollm2' (offline default), a hub id, a folder or a .gguf file")
+    device: str = Field("cpu", description="cpu, cuda, cuda:1, ...")
+    dtype: str = Field("auto", description="auto (bfloat16 on CUDA, float32 on CPU), float16, bfloat16, float32")
+    attn_implementation: str | None = Field(None, description="e.g. sdpa, flash_attention_2")
+    trust_remote_code: bool = Field(False, description="run code shipped with a hub model (off unless set)")
+    model_cache_dir: Path = Field(Path.home() / ".cache" / "llmq" / "models", description="converted GGUF models")
+
+    # Engine sizing
+    kv_cache_tokens: int = Field(16384, ge=16, description="KV cache size in tokens (all requests together)")
+    page_size: int = Field(32, ge=4, description="tokens per KV cache block")
+    max_batch_tokens: int = Field(512, ge=1, description="tokens per forward step (prefill chunk budget)")
+    max_running: int = Field(32, ge=1, description="requests decoding at once; the intake reads no more")
+    prefix_sharing: bool = Field(False, description="share KV blocks of identical prompt prefixes")
+    seed: int | None = Field(None, description="seed for sampling (per engine)")
+
+    # Requests
+    max_prompt_bytes: int = Field(RequestLimits.max_prompt_bytes, ge=1)
+    max_input_ids: int = Field(RequestLimits.max_input_ids, ge=1)
+    max_new_tokens: int = Field(RequestLimits.max_new_tokens, ge=1)
+    max_stop: int = Field(RequestLimits.max_stop, ge=0)
+    max_stop_bytes: int = Field(RequestLimits.max_stop_bytes, ge=1)
+
+    # Service
+    read_block_ms: int = Field(500, ge=1, description="XREADGROUP BLOCK; also how fast a stop is noticed")
+    heartbeat_s: float = Field(2.0, gt=0, description="how often the worker publishes its stats")
+    dead_letter_maxlen: int = Field(10000, ge=1, description="dead-letter stream is trimmed to about this")
+    log_format: Literal["console", "json"] = "console"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(
+            max_prompt_bytes=self.max_prompt_bytes,
+            max_input_ids=self.max_input_ids,
+            max_new_tokens=self.max_new_tokens,
+            max_stop=self.max_stop,
+            max_stop_bytes=self.max_stop_bytes,
+        )

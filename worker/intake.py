@@ -1,0 +1,115 @@
+"""Reading requests: the consumer group, COUNT = free engine slots, and the decision for each entry.
+
+Every entry read leaves here as exactly one of: `Accepted` (goes to the engine), `Rejected` (its reader gets
+an `error` or `done` event, then it is acknowledged) or `DeadLetter` (unreadable: no request id to answer to).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from client.errors import ErrorCode
+from client.protocol import (
+    CONSUMER_GROUP,
+    ENTRY_FIELD,
+    PROTOCOL_VERSION,
+    GenerateRequest,
+    InvalidRequest,
+    Keys,
+    MalformedEntry,
+    RequestLimits,
+    UnsupportedVersion,
+    decode_request,
+    ms_now,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    entry_id: bytes
+    request: GenerateRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    entry_id: bytes
+    request_id: str
+    code: ErrorCode
+    message: str
+    result_ttl: int = 3600
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    entry_id: bytes
+    raw: bytes
+    reason: str
+
+
+Decision = Accepted | Rejected | DeadLetter
+
+
+def decide(entry_id: bytes, fields: dict[bytes, bytes], limits: RequestLimits, now_ms: int | None = None) -> Decision:
+    """What to do with one stream entry (pure: no I/O, so every branch is unit-tested)."""
+    raw = fields.get(ENTRY_FIELD)
+    if raw is None:
+        return DeadLetter(entry_id, b"", f"entry has no field {ENTRY_FIELD.decode()!r}")
+    try:
+        request = decode_request(raw)
+        request.check_limits(limits)
+    except (UnsupportedVersion, InvalidRequest) as error:
+        if error.request_id is None:
+            return DeadLetter(entry_id, raw, str(error))
+        code = ErrorCode.UNSUPPORTED_VERSION if isinstance(error, UnsupportedVersion) else ErrorCode.INVALID_REQUEST
+        return Rejected(entry_id, error.request_id, code, str(error))
+    except MalformedEntry as error:
+        return DeadLetter(entry_id, raw, str(error))
+    if request.deadline is not None and request.deadline <= (now_ms if now_ms is not None else ms_now()):
+        return Rejected(
+            entry_id, request.id, ErrorCode.EXPIRED, "the deadline passed before generation started", request.result_ttl
+        )
+    return Accepted(entry_id, request)
+
+
+class Intake:
+    """The worker's side of the consumer group `workers` on `{<queue>}:requests`."""
+
+    def __init__(self, redis: Redis, keys: Keys, consumer: str, limits: RequestLimits, dead_maxlen: int) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._consumer = consumer
+        self._limits = limits
+        self._dead_maxlen = dead_maxlen
+
+    async def ensure_group(self) -> None:
+        """Creates the group at id 0 (so entries added before any worker started are read) if it is missing."""
+        try:
+            await self._redis.xgroup_create(self._keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
+        except ResponseError as error:
+            if "BUSYGROUP" not in str(error):
+                raise
+
+    async def read(self, count: int, block_ms: int) -> list[Decision]:
+        """New entries, at most `count` (the engine's free slots), blocking at most `block_ms`."""
+        reply = await self._redis.xreadgroup(
+            CONSUMER_GROUP, self._consumer, {self._keys.requests: ">"}, count=count, block=block_ms
+        )
+        return [decide(entry_id, fields, self._limits) for _, entries in reply or [] for entry_id, fields in entries]
+
+    async def is_cancelled(self, request_id: str) -> bool:
+        return bool(await self._redis.exists(self._keys.cancel(request_id)))
+
+    async def dead_letter(self, letter: DeadLetter) -> None:
+        """Moves an unreadable entry to `{<queue>}:dead` (trimmed) and takes it off the request stream."""
+        body = {"v": PROTOCOL_VERSION, "entry_id": letter.entry_id.decode(), "reason": letter.reason, "raw": letter.raw}
+        entry: dict[Any, Any] = {ENTRY_FIELD: msgpack.packb(body)}
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(self._keys.dead, entry, maxlen=self._dead_maxlen, approximate=True)
+            pipe.xack(self._keys.requests, CONSUMER_GROUP, letter.entry_id)
+            pipe.xdel(self._keys.requests, letter.entry_id)
+            await pipe.execute()
