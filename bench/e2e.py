@@ -1,0 +1,223 @@
+"""The service end to end: client -> Redis -> one worker process -> Redis -> client, against the engine alone,
+and time to first token under Poisson arrivals against static batching of the same arrivals.
+
+    python -m bench.e2e [--quick] [--requests N] [--load 0.8]
+
+Throughput uses the workload of `bench/engine.py`. The arrival rate is `--load` times the request rate the
+engine alone sustained on that workload, so the service is loaded but not swamped. Static batching serves
+the same arrivals as a server would with `model.generate`: whenever it is idle it takes every request that
+has arrived (up to 32) as one padded batch; a request's first token comes when its batch's first step ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.engine import run_engine
+from bench.workload import Job, make_workload, peak_rss_mb, print_json
+from client import AsyncClient
+from tests.redis_server import RedisServer
+from worker.engine import DEFAULT_MODEL, EngineConfig, LoadOptions, load_model
+
+STATIC_MAX_BATCH = 32
+
+
+def start_worker(url: str, model: str, config: EngineConfig, log: Path) -> subprocess.Popen[bytes]:
+    flags = {
+        "--redis-url": url,
+        "--model": model,
+        "--kv-cache-tokens": config.kv_cache_tokens,
+        "--page-size": config.page_size,
+        "--max-batch-tokens": config.max_batch_tokens,
+        "--max-running": config.max_running,
+        "--read-block-ms": 20,
+        "--heartbeat-s": 0.5,
+        "--log-level": "warning",
+    }
+    args = [str(part) for pair in flags.items() for part in pair]
+    return subprocess.Popen([sys.executable, "-m", "worker", *args], stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+
+async def wait_for_worker(client: AsyncClient, process: subprocess.Popen[bytes], log: Path) -> None:
+    while not (await client.status()).workers:
+        if process.poll() is not None:
+            raise RuntimeError(f"the worker exited; its log is {log}")
+        await asyncio.sleep(0.2)
+
+
+async def run_service(client: AsyncClient, jobs: list[Job]) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    submitted = await asyncio.gather(*(_submit(client, job) for job in jobs))
+    results = await asyncio.gather(*(job.result(timeout=600) for job in submitted))
+    return time.perf_counter() - start, [result.token_ids for result in results]
+
+
+async def service_ttfts(client: AsyncClient, jobs: list[Job], arrivals: list[float]) -> list[float]:
+    """Submits each job at its arrival time and measures submit -> first streamed token."""
+    origin = time.perf_counter()
+
+    async def one(job: Job, at: float) -> float:
+        await asyncio.sleep(max(0.0, origin + at - time.perf_counter()))
+        sent = time.perf_counter()
+        handle = await _submit(client, job)
+        first = None
+        async for delta in handle.stream(timeout=600):
+            if first is None and delta.token_ids:
+                first = time.perf_counter()
+        assert first is not None
+        return first - sent
+
+    return list(await asyncio.gather(*(one(job, at) for job, at in zip(jobs, arrivals, strict=True))))
+
+
+def static_ttfts(model: Any, tokenizer: Any, jobs: list[Job], arrivals: list[float]) -> list[float]:
+    """A static-batching server in real time: idle -> take everything that has arrived -> generate."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ttft: dict[int, float] = {}
+    origin = time.perf_counter()
+    pending = list(zip(jobs, arrivals, strict=True))
+    while pending:
+        now = time.perf_counter() - origin
+        if pending[0][1] > now:
+            time.sleep(pending[0][1] - now)
+            continue
+        arrived = [p for p in pending if p[1] <= time.perf_counter() - origin][:STATIC_MAX_BATCH]
+        pending = pending[len(arrived) :]
+        first_step = _FirstStep()
+        batch = [job for job, _ in arrived]
+        width = max(len(job.prompt_ids) for job in batch)
+        ids = torch.tensor([[pad] * (width - len(j.prompt_ids)) + j.prompt_ids for j in batch])
+        mask = torch.tensor([[0] * (width - len(j.prompt_ids)) + [1] * len(j.prompt_ids) for j in batch])
+        with torch.no_grad():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                pad_token_id=pad,
+                streamer=first_step,
+                max_new_tokens=max(job.max_new_tokens for job in batch),
+            )
+        for job, at in arrived:
+            ttft[job.index] = first_step.at - origin - at
+    return [ttft[job.index] for job in jobs]
+
+
+class _FirstStep:
+    """A `generate` streamer that only notes when the first generated tokens come out (its 2nd `put`)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.at = 0.0
+        self._lock = threading.Lock()
+
+    def put(self, value: Any) -> None:
+        with self._lock:
+            self.calls += 1
+            if self.calls == 2:
+                self.at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+async def _submit(client: AsyncClient, job: Job) -> Any:
+    return await client.submit(
+        input_ids=job.prompt_ids, max_new_tokens=job.max_new_tokens, temperature=0, ignore_eos=True
+    )
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    workdir = Path(tempfile.mkdtemp(prefix="llmq-bench-e2e-"))
+    if args.quick:
+        from tests.tiny_models import save_tiny_model
+
+        model_spec = str(save_tiny_model(workdir / "model", "llama", max_positions=2048))
+    else:
+        model_spec = DEFAULT_MODEL
+    model, tokenizer = load_model(model_spec, LoadOptions(cache_dir=workdir / "cache") if args.quick else None)
+    model.generation_config.eos_token_id = None
+    jobs = make_workload(model.config.vocab_size, args.requests, (16, 256), (16, 128))
+    useful = sum(job.max_new_tokens for job in jobs)
+    config = EngineConfig(kv_cache_tokens=16384, page_size=32, max_batch_tokens=512, max_running=args.requests)
+    print(f"model: {model_spec}; {len(jobs)} requests, {useful} useful tokens; torch threads {torch.get_num_threads()}")
+
+    engine_s, engine_out = await run_engine(model, tokenizer, jobs, config)
+    print(f"engine alone        {engine_s:7.2f} s  {useful / engine_s:8.1f} tok/s")
+
+    server = RedisServer(workdir / "redis").start()
+    log = workdir / "worker.log"
+    worker = start_worker(server.url, model_spec, config, log)
+    try:
+        async with AsyncClient(server.url, max_queue_len=0) as client:
+            await wait_for_worker(client, worker, log)
+            await run_service(client, jobs[:2])  # warm the worker's kernels, as the engine run did
+            e2e_s, e2e_out = await run_service(client, jobs)
+            print(f"client+redis+worker {e2e_s:7.2f} s  {useful / e2e_s:8.1f} tok/s")
+
+            rate = args.load * len(jobs) / engine_s
+            rng = random.Random(1)
+            arrivals, clock = [], 0.0
+            for _ in jobs:
+                clock += rng.expovariate(rate)
+                arrivals.append(clock)
+            print(f"Poisson arrivals at {rate:.2f} req/s ({args.load:.0%} of the engine's request rate)")
+            service = await service_ttfts(client, jobs, arrivals)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)
+        server.stop()
+    static = static_ttfts(model, tokenizer, jobs, arrivals)
+    figures = {
+        "model": model_spec,
+        "requests": len(jobs),
+        "engine_tok_s": round(useful / engine_s, 2),
+        "e2e_tok_s": round(useful / e2e_s, 2),
+        "ratio": round(engine_s / e2e_s, 3),
+        "outputs_match": e2e_out == engine_out,
+        "arrival_rate_req_s": round(rate, 3),
+        "ttft_p50_s": round(percentile(service, 0.5), 3),
+        "ttft_p99_s": round(percentile(service, 0.99), 3),
+        "ttft_mean_s": round(statistics.fmean(service), 3),
+        "static_ttft_p50_s": round(percentile(static, 0.5), 3),
+        "static_ttft_p99_s": round(percentile(static, 0.99), 3),
+        "ttft_ratio": round(percentile(service, 0.5) / percentile(static, 0.5), 3),
+        "peak_rss_mb": round(peak_rss_mb()),
+    }
+    print(f"throughput ratio e2e/engine: {figures['ratio']}  outputs equal: {figures['outputs_match']}")
+    print(
+        f"TTFT service p50 {figures['ttft_p50_s']} s p99 {figures['ttft_p99_s']} s; "
+        f"static p50 {figures['static_ttft_p50_s']} s p99 {figures['static_ttft_p99_s']} s; "
+        f"ratio {figures['ttft_ratio']}"
+    )
+    return figures
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny random model, finishes in under a minute")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--load", type=float, default=0.8, help="arrival rate as a fraction of the engine's")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    print_json(asyncio.run(main_async(args)))
+
+
+if __name__ == "__main__":
+    main()
