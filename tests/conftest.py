@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.redis_server import RedisServer
+from worker.embedded_redis import RedisServer
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Literal
@@ -64,6 +65,11 @@ class Settings(BaseSettings):
     # Service
     read_block_ms: int = Field(500, ge=1, description="XREADGROUP BLOCK; also how fast a stop is noticed")
     heartbeat_s: float = Field(2.0, gt=0, description="how often the worker publishes its stats")
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long requests in flight may finish")
+    health_file: Path = Field(
+        Path(tempfile.gettempdir()) / "llmq-worker.health",
+        description="touched each heartbeat while Redis answers and the engine runs (`python -m worker.health`)",
+    )
     dead_letter_maxlen: int = Field(10000, ge=1, description="dead-letter stream is trimmed to about this")
     log_format: Literal["console", "json"] = "console"
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -74,9 +74,7 @@ class Worker:
         self.log.info("worker ready", model=self.settings.model, kv_blocks=self.engine.stats().kv_blocks_total)
         try:
             await self._read_until(stop)
-            if self._relays:
-                await asyncio.gather(*self._relays.values(), return_exceptions=True)
-            await self.publisher.wait_idle()
+            await self._drain()
         finally:
             for task in helpers:
                 task.cancel()
@@ -84,6 +82,20 @@ class Worker:
             with contextlib.suppress(Exception):
                 await self.redis.hdel(self.keys.workers, self.settings.worker_id)
             self.log.info("worker stopped")
+
+    async def _drain(self) -> None:
+        """Stopped reading: lets requests in flight finish within the drain timeout, then writes what is queued.
+
+        Requests still running afterwards end with `EngineClosed` when the engine closes and stay unacknowledged.
+        """
+        if self._relays:
+            self.log.info("draining", in_flight=len(self._relays), timeout_s=self.settings.drain_timeout_s)
+            _, unfinished = await asyncio.wait(list(self._relays.values()), timeout=self.settings.drain_timeout_s)
+            if unfinished:
+                self.log.warning("drain timeout: requests left unfinished", count=len(unfinished))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.settings.drain_timeout_s or 1.0):
+                await self.publisher.wait_idle()
 
     async def _read_until(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -188,6 +200,8 @@ class Worker:
         while not stop.is_set():
             try:
                 await self.redis.hset(self.keys.workers, self.settings.worker_id, encode(self.info()))
+                if self.engine.alive:  # the container health check reads this file's age
+                    self.settings.health_file.write_text(str(ms_now()))
                 await self._prune_stale_workers()
             except Exception as error:
                 self.log.warning("heartbeat failed", error=redact(str(error)))
@@ -266,31 +280,36 @@ def connect(settings: Settings) -> Redis:
     return Redis.from_url(settings.redis_url.get_secret_value(), **kwargs)
 
 
+class RedisUnavailable(RuntimeError):
+    """Redis refused or could not be reached at start-up: wrong URL, password, ACL or TLS settings."""
+
+
 async def serve(settings: Settings, *, handle_signals: bool = True) -> None:
-    """Loads the model, starts the engine and serves until SIGTERM or SIGINT."""
+    """Checks Redis, loads the model, starts the engine and serves until SIGTERM or SIGINT."""
     configure(settings.log_format, settings.log_level)
     log = get_logger(worker=settings.worker_id)
-    log.info(
-        "loading model",
-        model=settings.model,
-        device=settings.device,
-        redis=redact(settings.redis_url.get_secret_value()),
-    )
-    options = LoadOptions(
-        device=settings.device,
-        dtype=settings.dtype,
-        attn_implementation=settings.attn_implementation,
-        trust_remote_code=settings.trust_remote_code,
-        cache_dir=settings.model_cache_dir,
-    )
-    model, tokenizer = await asyncio.to_thread(load_model, settings.model, options)
+    url = redact(settings.redis_url.get_secret_value())
+    redis = connect(settings)
+    try:
+        await redis.ping()  # fail in a second on a wrong password or address, not after loading the model
+    except Exception as error:
+        await redis.aclose()
+        raise RedisUnavailable(f"cannot use Redis at {url}: {redact(str(error)) or type(error).__name__}") from None
     stop = asyncio.Event()
     if handle_signals:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
-    redis = connect(settings)
     try:
+        log.info("loading model", model=settings.model, device=settings.device, redis=url)
+        options = LoadOptions(
+            device=settings.device,
+            dtype=settings.dtype,
+            attn_implementation=settings.attn_implementation,
+            trust_remote_code=settings.trust_remote_code,
+            cache_dir=settings.model_cache_dir,
+        )
+        model, tokenizer = await asyncio.to_thread(load_model, settings.model, options)
         async with Engine(model, tokenizer, engine_config(settings)) as engine:
             await Worker(settings, engine, redis).run(stop)
     finally:

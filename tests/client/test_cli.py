@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from client import protocol
 from client.cli import main
 from tests.client.twins import KEYS, done, emit, tokens
-from tests.redis_server import free_port
+from worker.embedded_redis import free_port
 
 pytestmark = pytest.mark.redis
 

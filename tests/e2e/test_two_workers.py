@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from client import AsyncClient, Client, QueueFull
-from tests.redis_server import RedisServer
 from tests.tiny_models import save_tiny_model
+from worker.embedded_redis import RedisServer
 from worker.engine import Engine, EngineConfig, EngineRequest, LoadOptions, SamplingParams, load_model
 
 pytestmark = pytest.mark.slow

@@ -135,6 +135,11 @@ class Engine:
         return max(0, self.config.max_running - len(self._running))
 
     @property
+    def alive(self) -> bool:
+        """Whether the library's generation thread is running (false while it restarts)."""
+        return self._manager is not None and self._manager.is_running()
+
+    @property
     def idle(self) -> bool:
         return not self._running and not self._waiting
 

