@@ -28,7 +28,7 @@ import torch
 from bench.engine import run_engine
 from bench.workload import Job, make_workload, peak_rss_mb, print_json
 from client import AsyncClient
-from tests.redis_server import RedisServer
+from worker.embedded_redis import RedisServer
 from worker.engine import DEFAULT_MODEL, EngineConfig, LoadOptions, load_model
 
 STATIC_MAX_BATCH = 32
