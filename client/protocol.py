@@ -149,6 +149,10 @@ class Keys:
         """Idempotency marker set by the submit script; lives for the request's `result_ttl`."""
         return f"{self.tag}:id:{request_id}"
 
+    def fence(self, request_id: str) -> str:
+        """Workers' hash: `a` = current attempt (raised on every claim), `n` = events' token count written."""
+        return f"{self.tag}:fence:{request_id}"
+
 
 # --- models -------------------------------------------------------------------------------------
 

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
+import signal
 import sys
 
-from worker.config import Settings
-from worker.service import RedisUnavailable, serve
+# Until the service installs its draining handler, a SIGTERM (say, compose scaling down a worker that is
+# still importing torch) has nothing in flight to lose: leave at once, successfully.
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+import asyncio  # noqa: E402 - after the handler, so a SIGTERM during these slow imports is caught
+
+from worker.config import Settings  # noqa: E402
+from worker.service import RedisUnavailable, serve  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -66,6 +66,11 @@ class Settings(BaseSettings):
     read_block_ms: int = Field(500, ge=1, description="XREADGROUP BLOCK; also how fast a stop is noticed")
     heartbeat_s: float = Field(2.0, gt=0, description="how often the worker publishes its stats")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long requests in flight may finish")
+    lease_timeout_s: float = Field(15.0, gt=0, description="a request idle this long (its worker died) is claimed")
+    lease_renew_s: float = Field(2.0, gt=0, description="how often a worker renews the leases of its requests")
+    claim_interval_s: float = Field(1.0, gt=0, description="how often a worker looks for requests to claim")
+    max_deliveries: int = Field(3, ge=1, description="claims after which a request goes to the dead letters")
+    max_buffered_events: int = Field(100_000, ge=1, description="events held while Redis is down; then intake pauses")
     health_file: Path = Field(
         Path(tempfile.gettempdir()) / "llmq-worker.health",
         description="touched each heartbeat while Redis answers and the engine runs (`python -m worker.health`)",

@@ -23,10 +23,13 @@ from client.protocol import (
     Keys,
     MalformedEntry,
     RequestLimits,
+    TokensEvent,
     UnsupportedVersion,
+    decode_event,
     decode_request,
     ms_now,
 )
+from worker.leases import Claimed
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +79,19 @@ def decide(entry_id: bytes, fields: dict[bytes, bytes], limits: RequestLimits, n
     return Accepted(entry_id, request)
 
 
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """An accepted request with what Redis knows of it: our attempt number, a cancel mark, earlier output."""
+
+    accepted: Accepted
+    attempt: int
+    cancelled: bool
+    delivered_ids: list[int]  # tokens an earlier attempt already published
+    delivered_text: str
+    finished: bool  # an earlier attempt already published `done` or `error`
+    deliveries: int = 1
+
+
 class Intake:
     """The worker's side of the consumer group `workers` on `{<queue>}:requests`."""
 
@@ -101,15 +117,59 @@ class Intake:
         )
         return [decide(entry_id, fields, self._limits) for _, entries in reply or [] for entry_id, fields in entries]
 
-    async def is_cancelled(self, request_id: str) -> bool:
-        return bool(await self._redis.exists(self._keys.cancel(request_id)))
+    def decide_claimed(self, claimed: list[Claimed]) -> tuple[list[Decision], dict[bytes, int]]:
+        """Claimed entries go through the same decisions; also returns each entry's delivery count."""
+        return [decide(c.entry_id, c.fields, self._limits) for c in claimed], {
+            c.entry_id: c.deliveries for c in claimed
+        }
 
-    async def dead_letter(self, letter: DeadLetter) -> None:
-        """Moves an unreadable entry to `{<queue>}:dead` (trimmed) and takes it off the request stream."""
+    async def prepare(self, accepted: list[Accepted], deliveries: dict[bytes, int] | None = None) -> list[Ready]:
+        """One round trip for a batch: raise each request's attempt (fencing out earlier owners), read its
+        cancel mark and whatever earlier attempts published (raised first, so nothing slips in between)."""
+        if not accepted:
+            return []
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for item in accepted:
+                request_id = item.request.id
+                pipe.hincrby(self._keys.fence(request_id), "a", 1)
+                pipe.expire(self._keys.fence(request_id), item.request.result_ttl)
+                pipe.exists(self._keys.cancel(request_id))
+                pipe.xrange(self._keys.result(request_id))
+            replies = await pipe.execute()
+        ready = []
+        for index, item in enumerate(accepted):
+            attempt, _, cancelled, events = replies[4 * index : 4 * index + 4]
+            ids, text, finished = _earlier_output(events)
+            count = (deliveries or {}).get(item.entry_id, 1)
+            ready.append(Ready(item, int(attempt), bool(cancelled), ids, text, finished, count))
+        return ready
+
+    async def dead_letter(self, letter: DeadLetter, *, acknowledge: bool = True) -> None:
+        """Copies an entry to `{<queue>}:dead` (trimmed) and, unless told otherwise, takes it off the request
+        stream (a request with a reader is acknowledged with its `error` event instead)."""
         body = {"v": PROTOCOL_VERSION, "entry_id": letter.entry_id.decode(), "reason": letter.reason, "raw": letter.raw}
         entry: dict[Any, Any] = {ENTRY_FIELD: msgpack.packb(body)}
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.xadd(self._keys.dead, entry, maxlen=self._dead_maxlen, approximate=True)
-            pipe.xack(self._keys.requests, CONSUMER_GROUP, letter.entry_id)
-            pipe.xdel(self._keys.requests, letter.entry_id)
+            if acknowledge:
+                pipe.xack(self._keys.requests, CONSUMER_GROUP, letter.entry_id)
+                pipe.xdel(self._keys.requests, letter.entry_id)
             await pipe.execute()
+
+
+def _earlier_output(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> tuple[list[int], str, bool]:
+    """Token ids and text already published on a result stream (deduplicated by `seq`), and whether it ended."""
+    ids: list[int] = []
+    text = ""
+    for _, fields in entries:
+        try:
+            event = decode_event(fields[ENTRY_FIELD])
+        except (MalformedEntry, UnsupportedVersion, KeyError):
+            continue
+        if isinstance(event, TokensEvent):
+            if event.seq == len(ids):
+                ids.extend(event.ids)
+                text += event.text
+        else:
+            return ids, text, True
+    return ids, text, False

@@ -1,34 +1,77 @@
 """Result streams: every event a request produces, written in order, batched into one pipeline per flush.
 
-Events are queued without blocking (`tokens`, `finish`, `fail`); one flusher task sends everything queued
-so far in a single pipeline, so all requests that advanced in an engine step share one round trip. A
-request's final event is followed, in the same pipeline, by the acknowledgement: XACK + XDEL run as one
-script, so the request stream holds only unfinished work.
+Events are queued without blocking; one flusher task sends everything queued so far in a single pipeline,
+so all requests that advanced in an engine step share one round trip. Each event goes through one script:
+
+- **fenced**: written only while the request's attempt number is ours. A worker that was paused past its
+  lease and woke up after another claimed the request writes nothing (and is told, through `on_fenced`);
+- **idempotent**: the fence hash counts the tokens written, so an event retried after a lost reply is
+  not written twice;
+- **acknowledging**: a request's final event is followed, in the same script, by XACK + XDEL, so the
+  request stream holds only unfinished work.
+
+When Redis is unreachable the batch stays queued, in order, and is retried with backoff; the worker reads
+no new requests while `backlog` is over its bound.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from redis.asyncio import Redis
+from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
 
-from client.protocol import CONSUMER_GROUP, ENTRY_FIELD, DoneEvent, ErrorEvent, Keys, TokensEvent, encode
+from client.protocol import CONSUMER_GROUP, DoneEvent, ErrorEvent, Keys, TokensEvent, encode
 
-# XACK and XDEL together, so no reader ever sees an acknowledged entry still counted as backlog.
-_ACK_AND_DELETE = """
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-return redis.call('XDEL', KEYS[1], ARGV[2])
+# KEYS: result stream, fence hash, request stream.
+# ARGV: attempt ('' = unfenced), ttl, event ('' = none: acknowledge only), seq, size, group,
+#       entry id to acknowledge ('' = none).
+_PUBLISH = """
+local write = ARGV[3] ~= ''
+if ARGV[1] ~= '' then
+  local fence = redis.call('HMGET', KEYS[2], 'a', 'n')
+  if fence[1] ~= ARGV[1] then
+    return 0
+  end
+  local seq = tonumber(ARGV[4])
+  write = write and seq >= tonumber(fence[2] or '0')
+  if write then
+    redis.call('HSET', KEYS[2], 'n', seq + tonumber(ARGV[5]))
+  end
+  redis.call('EXPIRE', KEYS[2], ARGV[2])
+end
+if write then
+  redis.call('XADD', KEYS[1], '*', 'm', ARGV[3])
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+end
+if ARGV[7] ~= '' then
+  redis.call('XACK', KEYS[3], ARGV[6], ARGV[7])
+  redis.call('XDEL', KEYS[3], ARGV[7])
+end
+return 1
 """
+_RETRYABLE = (ConnectionError, TimeoutError, BusyLoadingError, OSError)
+_BACKOFF_S = (0.05, 2.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a request's events go, and the attempt that may write them (None: unfenced, for rejections)."""
+
+    request_id: str
+    ttl_s: int
+    attempt: int | None = None
 
 
 @dataclass(slots=True)
 class _Pending:
-    result_key: str
-    ttl_s: int
+    target: Target
     event: bytes
-    ack_entry: bytes | None = None  # set on a request's last event
+    seq: int
+    size: int
+    ack_entry: bytes | None = None
 
 
 @dataclass
@@ -36,27 +79,41 @@ class PublisherStats:
     flushes: int = 0
     events: int = 0
     failures: int = 0
-    last_error: str | None = field(default=None)
+    fenced: int = 0
+    tokens: int = 0  # token ids queued for publishing: what this worker generated
 
 
 class Publisher:
-    def __init__(self, redis: Redis, keys: Keys, on_error: Callable[[Exception], None] | None = None) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        on_error: Callable[[Exception], None] | None = None,
+        on_fenced: Callable[[str], None] | None = None,
+    ) -> None:
         self._redis = redis
         self._keys = keys
-        self._ack_and_delete = redis.register_script(_ACK_AND_DELETE)
+        self._publish = redis.register_script(_PUBLISH)
         self._queue: list[_Pending] = []
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
         self._on_error = on_error
+        self._on_fenced = on_fenced
         self.stats = PublisherStats()
 
-    def tokens(self, request_id: str, ttl_s: int, event: TokensEvent) -> None:
-        self._put(_Pending(self._keys.result(request_id), ttl_s, encode(event)))
+    @property
+    def backlog(self) -> int:
+        """Events queued and not yet written (grows while Redis is down)."""
+        return len(self._queue)
 
-    def finish(self, request_id: str, ttl_s: int, event: DoneEvent | ErrorEvent, entry_id: bytes) -> None:
-        """The request's terminal event, then its acknowledgement."""
-        self._put(_Pending(self._keys.result(request_id), ttl_s, encode(event), ack_entry=entry_id))
+    def tokens(self, target: Target, event: TokensEvent) -> None:
+        self.stats.tokens += len(event.ids)
+        self._put(_Pending(target, encode(event), event.seq, len(event.ids)))
+
+    def finish(self, target: Target, event: DoneEvent | ErrorEvent | None, entry_id: bytes, seq: int = 0) -> None:
+        """The request's terminal event (after `seq` tokens), then its acknowledgement; no event: only the ack."""
+        self._put(_Pending(target, b"" if event is None else encode(event), seq, 1, ack_entry=entry_id))
 
     def _put(self, pending: _Pending) -> None:
         self._queue.append(pending)
@@ -69,32 +126,61 @@ class Publisher:
 
     async def run(self) -> None:
         """The flusher: one pipeline per batch of queued events, in order, until cancelled."""
+        backoff = _BACKOFF_S[0]
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
             await asyncio.sleep(0)  # let the rest of this engine step's deltas land in the batch
-            batch, self._queue = self._queue, []
-            if batch:
-                await self._send(batch)
-            if not self._queue:
+            batch = list(self._queue)  # events queued while this batch is in flight go in the next one
+            if not batch:
                 self._idle.set()
-
-    async def _send(self, batch: list[_Pending]) -> None:
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for pending in batch:
-                pipe.xadd(pending.result_key, {ENTRY_FIELD: pending.event})
-                pipe.expire(pending.result_key, pending.ttl_s)
-                if pending.ack_entry is not None:
-                    await self._ack_and_delete(
-                        keys=[self._keys.requests], args=[CONSUMER_GROUP, pending.ack_entry], client=pipe
-                    )
+                continue
             try:
-                await pipe.execute()
-            except Exception as error:  # the next issue adds buffering across outages; count and report for now
+                written = await self._send(batch)
+            except _RETRYABLE as error:
                 self.stats.failures += 1
-                self.stats.last_error = str(error)
                 if self._on_error is not None:
                     self._on_error(error)
-                return
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, _BACKOFF_S[1])
+                self._wakeup.set()  # the batch is still at the head of the queue: retry it
+                continue
+            backoff = _BACKOFF_S[0]
+            del self._queue[: len(batch)]
+            self._report(batch, written)
+            if self._queue:
+                self._wakeup.set()
+            else:
+                self._idle.set()
+
+    async def _send(self, batch: list[_Pending]) -> list[int]:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for item in batch:
+                target = item.target
+                await self._publish(
+                    keys=[
+                        self._keys.result(target.request_id),
+                        self._keys.fence(target.request_id),
+                        self._keys.requests,
+                    ],
+                    args=[
+                        "" if target.attempt is None else target.attempt,
+                        target.ttl_s,
+                        item.event,
+                        item.seq,
+                        item.size,
+                        CONSUMER_GROUP,
+                        item.ack_entry or "",
+                    ],
+                    client=pipe,
+                )
+            return await pipe.execute()
+
+    def _report(self, batch: list[_Pending], written: list[int]) -> None:
         self.stats.flushes += 1
         self.stats.events += len(batch)
+        fenced = {item.target.request_id for item, ok in zip(batch, written, strict=True) if not ok}
+        self.stats.fenced += len(fenced)
+        if self._on_fenced is not None:
+            for request_id in fenced:
+                self._on_fenced(request_id)

@@ -14,16 +14,13 @@ import socket
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from client.errors import ErrorCode
 from client.protocol import (
-    DoneEvent,
     ErrorEvent,
     GenerateRequest,
     Keys,
-    Timings,
-    TokensEvent,
-    Usage,
     WorkerInfo,
     encode,
     ms_now,
@@ -31,24 +28,26 @@ from client.protocol import (
 from worker.config import Settings
 from worker.engine import (
     Engine,
-    EngineClosed,
     EngineConfig,
     EngineError,
     EngineRequest,
     LoadOptions,
     RequestStream,
+    Resume,
     SamplingParams,
     load_model,
 )
-from worker.intake import Accepted, DeadLetter, Decision, Intake, Rejected
+from worker.intake import Accepted, DeadLetter, Decision, Intake, Ready, Rejected
+from worker.leases import Leases
 from worker.logging import configure, get_logger, redact
-from worker.publisher import Publisher
+from worker.publisher import Publisher, Target
+from worker.relay import Relay, finish_without_generating
 
 _STALE_WORKER_MS = 10 * 60 * 1000  # heartbeats older than this are pruned from the workers hash
 
 
 class Worker:
-    """One worker process's service loop over an already started engine."""
+    """One worker process's service loops over an already started engine."""
 
     def __init__(self, settings: Settings, engine: Engine, redis: Redis) -> None:
         self.settings = settings
@@ -56,25 +55,27 @@ class Worker:
         self.redis = redis
         self.keys = Keys(settings.queue, settings.prefix)
         self.intake = Intake(redis, self.keys, settings.worker_id, settings.limits, settings.dead_letter_maxlen)
-        self.publisher = Publisher(redis, self.keys, on_error=self._publish_failed)
+        self.leases = Leases(redis, self.keys, settings.worker_id, settings.lease_timeout_s)
+        self.publisher = Publisher(redis, self.keys, on_error=self._publish_failed, on_fenced=self._fence_out)
         self.log = get_logger(worker=settings.worker_id, queue=settings.queue)
         self.started_ms = ms_now()
-        self.tokens_generated = 0
-        self._relays: dict[str, asyncio.Task[None]] = {}
+        self.relays: dict[str, Relay] = {}
         self._capacity = asyncio.Event()
+        self._next_claim = 0.0
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Serves until `stop` is set, then stops reading and lets the requests in flight finish."""
+    async def run(self, stop: asyncio.Event, hurry: asyncio.Event | None = None) -> None:
+        """Serves until `stop` is set; then drains (until `hurry` is set or the drain timeout) and hands back."""
         await self.intake.ensure_group()
         helpers = [
             asyncio.create_task(self.publisher.run(), name="publisher"),
             asyncio.create_task(self._listen_for_cancels(stop), name="cancels"),
             asyncio.create_task(self._heartbeat(stop), name="heartbeat"),
+            asyncio.create_task(self._renew_leases(), name="leases"),
         ]
         self.log.info("worker ready", model=self.settings.model, kv_blocks=self.engine.stats().kv_blocks_total)
         try:
             await self._read_until(stop)
-            await self._drain()
+            await self._drain(hurry or asyncio.Event())
         finally:
             for task in helpers:
                 task.cancel()
@@ -83,23 +84,16 @@ class Worker:
                 await self.redis.hdel(self.keys.workers, self.settings.worker_id)
             self.log.info("worker stopped")
 
-    async def _drain(self) -> None:
-        """Stopped reading: lets requests in flight finish within the drain timeout, then writes what is queued.
+    # ------------------------------------------------------------------ reading and claiming
 
-        Requests still running afterwards end with `EngineClosed` when the engine closes and stay unacknowledged.
-        """
-        if self._relays:
-            self.log.info("draining", in_flight=len(self._relays), timeout_s=self.settings.drain_timeout_s)
-            _, unfinished = await asyncio.wait(list(self._relays.values()), timeout=self.settings.drain_timeout_s)
-            if unfinished:
-                self.log.warning("drain timeout: requests left unfinished", count=len(unfinished))
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.settings.drain_timeout_s or 1.0):
-                await self.publisher.wait_idle()
+    def free_slots(self) -> int:
+        if self.publisher.backlog > self.settings.max_buffered_events:
+            return 0  # Redis is away and we hold enough undelivered output: take nothing new
+        return self.engine.free_slots()
 
     async def _read_until(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            free = self.engine.free_slots()
+            free = self.free_slots()
             if free == 0:  # read nothing an idle worker could run sooner
                 self._capacity.clear()
                 with contextlib.suppress(TimeoutError):
@@ -107,16 +101,27 @@ class Worker:
                         await self._capacity.wait()
                 continue
             try:
-                decisions = await self.intake.read(free, self.settings.read_block_ms)
-            except Exception as error:  # Redis unreachable: keep serving what is in flight, retry shortly
+                free -= await self._claim(free)
+                if free > 0:
+                    await self._start_all(await self.intake.read(free, self.settings.read_block_ms))
+            except RedisError as error:  # Redis unreachable: keep serving what is in flight, retry shortly
                 self.log.warning("reading the queue failed", error=redact(str(error)))
                 await asyncio.sleep(1.0)
-                continue
-            await self._handle(decisions)
 
-    async def _handle(self, decisions: list[Decision]) -> None:
-        accepted = [d for d in decisions if isinstance(d, Accepted)]
-        cancelled = await self._cancel_marks([d.request.id for d in accepted])
+    async def _claim(self, free: int) -> int:
+        """Takes over requests whose worker died (idle past the lease); returns how many were claimed."""
+        now = asyncio.get_running_loop().time()
+        if now < self._next_claim:
+            return 0
+        self._next_claim = now + self.settings.claim_interval_s
+        claimed = await self.leases.claim(free)
+        if claimed:
+            self.log.info("claimed", count=len(claimed), entries=[c.entry_id.decode() for c in claimed])
+            decisions, deliveries = self.intake.decide_claimed(claimed)
+            await self._start_all(decisions, deliveries)
+        return len(claimed)
+
+    async def _start_all(self, decisions: list[Decision], deliveries: dict[bytes, int] | None = None) -> None:
         for decision in decisions:
             if isinstance(decision, DeadLetter):
                 self.log.warning("dead letter", entry=decision.entry_id.decode(), reason=decision.reason)
@@ -124,77 +129,126 @@ class Worker:
             elif isinstance(decision, Rejected):
                 self.log.info("rejected", request_id=decision.request_id, code=decision.code, reason=decision.message)
                 event = ErrorEvent(code=decision.code, message=decision.message)
-                self.publisher.finish(decision.request_id, decision.result_ttl, event, decision.entry_id)
-            elif decision.request.id in cancelled:
-                self._finish_unstarted(
-                    decision, DoneEvent(finish_reason="cancelled", usage=Usage(prompt_tokens=0, completion_tokens=0))
-                )
-            else:
-                self._start(decision)
+                self.publisher.finish(Target(decision.request_id, decision.result_ttl), event, decision.entry_id)
+        accepted = [d for d in decisions if isinstance(d, Accepted)]
+        for ready in await self.intake.prepare(accepted, deliveries):
+            await self._start(ready)
 
-    async def _cancel_marks(self, request_ids: list[str]) -> set[str]:
+    async def _start(self, ready: Ready) -> None:
+        relay = Relay(ready, self.publisher, self.log)
+        request = relay.request
+        if ready.finished:  # an earlier attempt published its end but died before acknowledging
+            self.publisher.finish(relay.target, None, relay.entry_id)
+            return
+        if ready.deliveries > self.settings.max_deliveries:
+            reason = f"claimed {ready.deliveries} times (max_deliveries {self.settings.max_deliveries})"
+            self.log.warning("delivery limit", request_id=request.id, reason=reason)
+            await self.intake.dead_letter(DeadLetter(relay.entry_id, encode(request), reason), acknowledge=False)
+            relay.error(ErrorCode.DELIVERY_LIMIT, f"the request failed repeatedly: {reason}")
+            return
+        reason = finish_without_generating(relay, self.engine.eos_token_ids)
+        if reason is not None:
+            relay.done(reason, prompt_tokens=0)
+            return
+        resume = Resume(ready.delivered_ids, ready.delivered_text) if ready.delivered_ids else None
+        try:
+            stream = self.engine.submit(engine_request(request, resume))
+        except EngineError as error:
+            self.log.info("rejected", request_id=request.id, code=error.code, reason=str(error))
+            relay.error(error.code, str(error), error.retryable)
+            return
+        if resume is not None:
+            self.log.info("resumed", request_id=request.id, delivered=len(resume.token_ids), attempt=ready.attempt)
+        self.relays[request.id] = relay
+        relay.task = asyncio.create_task(self._run_relay(relay, stream), name=request.id)
+
+    async def _run_relay(self, relay: Relay, stream: RequestStream) -> None:
+        try:
+            await relay.run(stream, self._hand_back)
+        finally:
+            self.relays.pop(relay.request.id, None)
+            self._capacity.set()
+
+    async def _hand_back(self, relay: Relay) -> None:
+        with contextlib.suppress(RedisError):
+            await self.leases.hand_back([relay.entry_id])
+
+    # ------------------------------------------------------------------ ownership
+
+    async def _renew_leases(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.lease_renew_s)
+            try:
+                lost = await self.leases.renew([relay.entry_id for relay in self.relays.values()])
+            except RedisError as error:
+                self.log.warning("renewing leases failed", error=redact(str(error)))
+                continue
+            for relay in list(self.relays.values()):
+                if relay.entry_id in lost:
+                    self._fence_out(relay.request.id)
+
+    def _fence_out(self, request_id: str) -> None:
+        """Another worker owns this request now: stop generating it and write nothing more for it."""
+        relay = self.relays.get(request_id)
+        if relay is not None and not relay.fenced:
+            relay.fenced = True
+            self.engine.cancel(request_id)
+            self.log.warning("lost ownership; stopped", request_id=request_id)
+
+    # ------------------------------------------------------------------ shutdown
+
+    async def _drain(self, hurry: asyncio.Event) -> None:
+        """Stopped reading: lets requests in flight finish within the drain timeout (or until `hurry`), hands
+        back the rest (claimable at once by any worker, which resumes them), and writes what is queued."""
+        tasks = [relay.task for relay in self.relays.values() if relay.task is not None]
+        if tasks:
+            self.log.info("draining", in_flight=len(tasks), timeout_s=self.settings.drain_timeout_s)
+            finished = asyncio.ensure_future(asyncio.gather(*tasks, return_exceptions=True))
+            hurried = asyncio.ensure_future(hurry.wait())
+            await asyncio.wait(
+                [finished, hurried], timeout=self.settings.drain_timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            hurried.cancel()
+        left = list(self.relays.values())
+        if left:
+            self.log.warning("handing back unfinished requests", count=len(left))
+            with contextlib.suppress(RedisError):
+                await self.leases.hand_back([relay.entry_id for relay in left])
+            for relay in left:
+                relay.fenced = True  # whoever claims it resumes from what is published; we add nothing more
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(self.settings.drain_timeout_s, 1.0)):
+                await self.publisher.wait_idle()
+
+    async def _listen_for_cancels(self, stop: asyncio.Event) -> None:
+        """Cancels arrive by pub/sub; a lost connection resubscribes (marks cover what was missed meanwhile)."""
+        while not stop.is_set():
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.keys.cancel_channel)
+                await self._apply_cancel_marks()  # anything published while we were not subscribed
+                while not stop.is_set():
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is not None and self.engine.cancel(_text(message["data"])):
+                        self.log.info("cancelled", request_id=_text(message["data"]))
+            except RedisError as error:
+                self.log.warning("cancel channel lost; resubscribing", error=redact(str(error)))
+                await asyncio.sleep(1.0)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
+    async def _apply_cancel_marks(self) -> None:
+        request_ids = list(self.relays)
         if not request_ids:
-            return set()
+            return
         async with self.redis.pipeline(transaction=False) as pipe:
             for request_id in request_ids:
                 pipe.exists(self.keys.cancel(request_id))
             marks = await pipe.execute()
-        return {request_id for request_id, mark in zip(request_ids, marks, strict=True) if mark}
-
-    def _start(self, accepted: Accepted) -> None:
-        request = accepted.request
-        try:
-            stream = self.engine.submit(engine_request(request))
-        except EngineError as error:
-            self.log.info("rejected", request_id=request.id, code=error.code, reason=str(error))
-            self._finish_unstarted(accepted, ErrorEvent(code=error.code, message=str(error), retryable=error.retryable))
-            return
-        self._relays[request.id] = asyncio.create_task(self._relay(accepted, stream, ms_now()), name=request.id)
-
-    def _finish_unstarted(self, accepted: Accepted, event: DoneEvent | ErrorEvent) -> None:
-        self.publisher.finish(accepted.request.id, accepted.request.result_ttl, event, accepted.entry_id)
-
-    async def _relay(self, accepted: Accepted, stream: RequestStream, started_ms: int) -> None:
-        """Turns one request's engine deltas into result events, ending with `done` or `error`."""
-        request, ttl = accepted.request, accepted.request.result_ttl
-        seq, first_token_ms = 0, None
-        try:
-            async for delta in stream:
-                if delta.token_ids:
-                    first_token_ms = first_token_ms or ms_now()
-                    self.publisher.tokens(request.id, ttl, TokensEvent(seq=seq, ids=delta.token_ids, text=delta.text))
-                    seq += len(delta.token_ids)
-                    self.tokens_generated += len(delta.token_ids)
-                if delta.finish_reason is not None:
-                    timings = Timings(
-                        queue_ms=started_ms - request.submitted,
-                        ttft_ms=None if first_token_ms is None else first_token_ms - request.submitted,
-                        total_ms=ms_now() - request.submitted,
-                    )
-                    usage = Usage(prompt_tokens=stream.prompt_tokens, completion_tokens=seq)
-                    done = DoneEvent(finish_reason=delta.finish_reason.value, usage=usage, timings=timings)
-                    self.publisher.finish(request.id, ttl, done, accepted.entry_id)
-                    self.log.info("finished", request_id=request.id, reason=delta.finish_reason.value, tokens=seq)
-        except EngineClosed:
-            self.log.info("left unacknowledged at shutdown", request_id=request.id)
-        except EngineError as error:
-            self.log.warning("failed", request_id=request.id, code=error.code, error=str(error))
-            event = ErrorEvent(code=ErrorCode(error.code), message=str(error), retryable=error.retryable)
-            self.publisher.finish(request.id, ttl, event, accepted.entry_id)
-        finally:
-            self._relays.pop(request.id, None)
-            self._capacity.set()
-
-    async def _listen_for_cancels(self, stop: asyncio.Event) -> None:
-        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-        await pubsub.subscribe(self.keys.cancel_channel)
-        try:
-            while not stop.is_set():
-                message = await pubsub.get_message(timeout=1.0)
-                if message is not None and self.engine.cancel(_text(message["data"])):
-                    self.log.info("cancelled", request_id=_text(message["data"]))
-        finally:
-            await pubsub.aclose()
+        for request_id, marked in zip(request_ids, marks, strict=True):
+            if marked:
+                self.engine.cancel(request_id)
 
     async def _heartbeat(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -235,7 +289,7 @@ class Worker:
             waiting=stats.waiting,
             kv_used_blocks=stats.kv_blocks_used,
             kv_total_blocks=stats.kv_blocks_total,
-            tokens_generated=self.tokens_generated,
+            tokens_generated=self.publisher.stats.tokens,
             started=self.started_ms,
             heartbeat=ms_now(),
         )
@@ -244,7 +298,7 @@ class Worker:
         self.log.error("publishing results failed", error=redact(str(error)))
 
 
-def engine_request(request: GenerateRequest) -> EngineRequest:
+def engine_request(request: GenerateRequest, resume: Resume | None = None) -> EngineRequest:
     params = request.params
     return EngineRequest(
         request_id=request.id,
@@ -259,6 +313,7 @@ def engine_request(request: GenerateRequest) -> EngineRequest:
             stop=tuple(params.stop),
             ignore_eos=params.ignore_eos,
         ),
+        resume=resume,
     )
 
 
@@ -295,11 +350,15 @@ async def serve(settings: Settings, *, handle_signals: bool = True) -> None:
     except Exception as error:
         await redis.aclose()
         raise RedisUnavailable(f"cannot use Redis at {url}: {redact(str(error)) or type(error).__name__}") from None
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:  # the first signal drains, a second one ends the drain at once
+        (hurry if stop.is_set() else stop).set()
+
     if handle_signals:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
+            loop.add_signal_handler(signum, on_signal)
     try:
         log.info("loading model", model=settings.model, device=settings.device, redis=url)
         options = LoadOptions(
@@ -311,7 +370,7 @@ async def serve(settings: Settings, *, handle_signals: bool = True) -> None:
         )
         model, tokenizer = await asyncio.to_thread(load_model, settings.model, options)
         async with Engine(model, tokenizer, engine_config(settings)) as engine:
-            await Worker(settings, engine, redis).run(stop)
+            await Worker(settings, engine, redis).run(stop, hurry)
     finally:
         await redis.aclose()
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from tests.engine.conftest import load, reference_greedy
-from worker.engine.errors import EngineFailed
-from worker.engine.types import Delta, EngineRequest, FinishReason, SamplingParams
+from worker.engine.errors import EngineFailed, InvalidRequest
+from worker.engine.types import Delta, EngineRequest, FinishReason, Resume, SamplingParams
 
 
 def greedy(max_new_tokens: int, **kwargs: Any) -> SamplingParams:
@@ -138,7 +138,7 @@ async def test_max_tokens_and_eos(llama_dir: Path, make_engine: Any) -> None:
 async def wait_for(predicate: Any) -> None:
     """Polls until the condition holds; fails after 5 s."""
     async with asyncio.timeout(5):
-        while not predicate():  # noqa: ASYNC110 - the engine thread sets no event we could await
+        while not predicate():
             await asyncio.sleep(0.01)
 
 
@@ -207,3 +207,24 @@ async def test_model_is_usable_by_generate_after_close(llama_dir: Path, make_eng
     )
     await engine.close()
     assert reference_greedy(model, [3, 4, 5], 5) == expected
+
+
+async def test_resume_continues_the_same_stream(llama_dir: Path, make_engine: Any) -> None:
+    engine = await make_engine(llama_dir)
+    ids = [3, 4, 5, 6]
+    full = await collect(engine.submit(EngineRequest("full", input_ids=ids, params=greedy(20, ignore_eos=True))))
+    tokens, text = tokens_of(full), text_of(full)
+    delivered = tokens[:7]
+    delivered_text = engine.tokenizer.decode(delivered)[:-2]  # as if two characters were still held back
+    resumed = await collect(
+        engine.submit(
+            EngineRequest(
+                "again", input_ids=ids, params=greedy(20, ignore_eos=True), resume=Resume(delivered, delivered_text)
+            )
+        )
+    )
+    assert delivered + tokens_of(resumed) == tokens
+    assert delivered_text + text_of(resumed) == text
+    assert resumed[-1].prompt_tokens == len(ids) and resumed[-1].finish_reason == FinishReason.LENGTH
+    with pytest.raises(InvalidRequest, match="nothing left"):
+        engine.submit(EngineRequest("done", input_ids=ids, params=greedy(7), resume=Resume(delivered, delivered_text)))

@@ -81,3 +81,12 @@ def test_random_split_points_give_the_same_text() -> None:
             if hit:
                 break
         assert out == "abc" and hit
+
+
+def test_resumed_detokenizer_completes_a_character_split_by_a_crash() -> None:
+    ids = TOKENIZER("ab😀cd", add_special_tokens=False)["input_ids"]
+    cut = next(i for i in range(1, len(ids)) if TOKENIZER.decode(ids[:i]).endswith("\ufffd"))
+    before = TOKENIZER.decode(ids[: cut - 1])  # what the first attempt could deliver as text
+    resumed = IncrementalDetokenizer(TOKENIZER, [5, 6, *ids[:cut]], unread=1)
+    after = resumed.push(ids[cut:]) + resumed.finish()
+    assert before + after == "ab😀cd"

@@ -9,7 +9,7 @@ import fakeredis
 import pytest
 
 from client.protocol import CONSUMER_GROUP, DoneEvent, ErrorEvent, Keys, TokensEvent, Usage, decode_event
-from worker.publisher import Publisher
+from worker.publisher import Publisher, Target
 
 KEYS = Keys("default")
 
@@ -55,8 +55,8 @@ async def test_one_pipeline_carries_a_whole_step(redis: Any) -> None:
     flusher = asyncio.create_task(publisher.run())
     entries = await enqueue(redis, 3)
     for i in range(3):  # one engine step: three requests advanced, the last one finished
-        publisher.tokens(f"r{i}", 60, TokensEvent(seq=0, ids=[1, 2], text="ab"))
-    publisher.finish("r2", 60, done(2), entries[2])
+        publisher.tokens(Target(f"r{i}", 60), TokensEvent(seq=0, ids=[1, 2], text="ab"))
+    publisher.finish(Target("r2", 60), done(2), entries[2], seq=2)
     await publisher.wait_idle()
     assert CountingRedis.executed == 1 and publisher.stats.flushes == 1 and publisher.stats.events == 4
     events = [decode_event(f[b"m"]) for _, f in await redis.xrange(KEYS.result("r2"))]
@@ -72,9 +72,9 @@ async def test_events_stay_in_order_across_flushes(redis: Any) -> None:
     flusher = asyncio.create_task(publisher.run())
     (entry,) = await enqueue(redis, 1)
     for seq in range(0, 30, 3):
-        publisher.tokens("r", 60, TokensEvent(seq=seq, ids=[seq, seq + 1, seq + 2], text="x"))
+        publisher.tokens(Target("r", 60), TokensEvent(seq=seq, ids=[seq, seq + 1, seq + 2], text="x"))
         await asyncio.sleep(0)
-    publisher.finish("r", 60, ErrorEvent(code="engine_failed", message="boom", retryable=True), entry)
+    publisher.finish(Target("r", 60), ErrorEvent(code="engine_failed", message="boom", retryable=True), entry, seq=30)
     await publisher.wait_idle()
     events = [decode_event(f[b"m"]) for _, f in await redis.xrange(KEYS.result("r"))]
     assert [e.seq for e in events[:-1]] == list(range(0, 30, 3)) and events[-1].type == "error"
@@ -83,14 +83,37 @@ async def test_events_stay_in_order_across_flushes(redis: Any) -> None:
     flusher.cancel()
 
 
-async def test_a_failed_flush_is_reported() -> None:
+async def test_events_wait_out_an_outage_in_order() -> None:
     server = fakeredis.FakeServer()
     server.connected = False  # Redis is down
-    down = fakeredis.FakeAsyncRedis(server=server)
+    redis = fakeredis.FakeAsyncRedis(server=server)
     errors: list[Exception] = []
-    publisher = Publisher(down, KEYS, on_error=errors.append)
+    publisher = Publisher(redis, KEYS, on_error=errors.append)
     flusher = asyncio.create_task(publisher.run())
-    publisher.tokens("r", 60, TokensEvent(seq=0, ids=[1], text="a"))
+    for seq in range(5):
+        publisher.tokens(Target("r", 60), TokensEvent(seq=seq, ids=[seq], text="a"))
+        await asyncio.sleep(0.02)
+    assert publisher.backlog == 5 and publisher.stats.failures >= 1 and errors
+    server.connected = True
+    await asyncio.wait_for(publisher.wait_idle(), 10)
+    events = [decode_event(f[b"m"]) for _, f in await redis.xrange(KEYS.result("r"))]
+    assert [e.seq for e in events] == [0, 1, 2, 3, 4] and publisher.backlog == 0
+    flusher.cancel()
+
+
+async def test_fenced_writes_are_dropped_and_reported(redis: Any) -> None:
+    fenced: list[str] = []
+    publisher = Publisher(redis, KEYS, on_fenced=fenced.append)
+    flusher = asyncio.create_task(publisher.run())
+    (entry,) = await enqueue(redis, 1)
+    await redis.hset(KEYS.fence("r"), "a", 2)  # another worker claimed the request: attempt 2
+    publisher.tokens(Target("r", 60, attempt=1), TokensEvent(seq=0, ids=[1], text="a"))
+    publisher.finish(Target("r", 60, attempt=1), done(1), entry, seq=1)
+    publisher.tokens(Target("r", 60, attempt=2), TokensEvent(seq=0, ids=[7], text="b"))
+    publisher.tokens(Target("r", 60, attempt=2), TokensEvent(seq=0, ids=[7], text="b"))  # a retried duplicate
     await publisher.wait_idle()
-    assert publisher.stats.failures == 1 and publisher.stats.flushes == 0 and errors
+    events = [decode_event(f[b"m"]) for _, f in await redis.xrange(KEYS.result("r"))]
+    assert [(e.seq, e.ids) for e in events] == [(0, [7])]
+    assert fenced == ["r"] and publisher.stats.fenced == 1
+    assert (await redis.xpending(KEYS.requests, CONSUMER_GROUP))["pending"] == 1  # the stale ack was refused
     flusher.cancel()

@@ -4,7 +4,7 @@ from worker.engine.core import Engine, EngineConfig
 from worker.engine.errors import EngineClosed, EngineError, EngineFailed, InvalidRequest
 from worker.engine.loader import DEFAULT_MODEL, LoadOptions, load_model
 from worker.engine.stream import RequestStream
-from worker.engine.types import Delta, EngineRequest, EngineStats, FinishReason, SamplingParams
+from worker.engine.types import Delta, EngineRequest, EngineStats, FinishReason, Resume, SamplingParams
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -20,6 +20,7 @@ __all__ = [
     "InvalidRequest",
     "LoadOptions",
     "RequestStream",
+    "Resume",
     "SamplingParams",
     "load_model",
 ]

@@ -30,7 +30,7 @@ from worker.engine.inputs import InputProcessor, ModelLimits, PreparedRequest
 from worker.engine.outputs import IncrementalDetokenizer
 from worker.engine.stats import StepCounters
 from worker.engine.stream import RequestStream
-from worker.engine.types import Delta, EngineRequest, EngineStats, FinishReason, SamplingParams
+from worker.engine.types import Delta, EngineRequest, EngineStats, FinishReason, Resume, SamplingParams
 
 _WATCHDOG_PERIOD_S = 0.1
 
@@ -108,14 +108,30 @@ class Engine:
         prepared = self._inputs.prepare(request)
         if prepared.request_id in self._running or any(s.request_id == prepared.request_id for s in self._waiting):
             raise InvalidRequest(f"request {prepared.request_id!r} is already in this engine")
+        unread, carry_text = self._held_back(request.resume)
         stream = RequestStream(
             prepared,
-            IncrementalDetokenizer(self.tokenizer, prepared.prompt_ids),
+            IncrementalDetokenizer(self.tokenizer, prepared.prompt_ids, unread=unread),
             kv_blocks=-(-prepared.max_tokens // self.config.page_size),
+            carry_text=carry_text,
         )
         self._waiting.append(stream)
         self._admit()
         return stream
+
+    def _held_back(self, resume: Resume | None) -> tuple[int, str]:
+        """What the earlier attempt delivered as tokens but not yet as text: the trailing tokens of an
+        incomplete character (left for the detokenizer) and complete text held back for a stop string."""
+        if resume is None:
+            return 0, ""
+        ids, unread = resume.token_ids, 0
+        while unread < min(len(ids), 4) and self._decode(ids[: len(ids) - unread]).endswith("\ufffd"):
+            unread += 1
+        complete = self._decode(ids[: len(ids) - unread])
+        return unread, complete[len(resume.text) :] if complete.startswith(resume.text) else ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def cancel(self, request_id: str) -> bool:
         """Ends the request's stream now with `cancelled`; its KV blocks are freed before the next step."""

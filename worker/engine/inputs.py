@@ -4,7 +4,7 @@ reaches transformers' engine, where one bad request fails every request in fligh
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from worker.engine.errors import InvalidRequest
@@ -13,9 +13,12 @@ from worker.engine.types import EngineRequest, SamplingParams
 
 @dataclass(frozen=True, slots=True)
 class PreparedRequest:
+    """Checked ids for the library: the prompt, followed on a resume by the tokens already delivered."""
+
     request_id: str
     prompt_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams  # on a resume, `max_new_tokens` is what is left to generate
+    prompt_tokens: int  # the caller's prompt alone
 
     @property
     def max_tokens(self) -> int:
@@ -46,7 +49,15 @@ class InputProcessor:
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
         self._check_length(len(prompt_ids), request.params.max_new_tokens)
-        return PreparedRequest(request.request_id, prompt_ids, request.params)
+        if request.resume is None:
+            return PreparedRequest(request.request_id, prompt_ids, request.params, len(prompt_ids))
+        delivered = self._check_ids(request.resume.token_ids)
+        left = request.params.max_new_tokens - len(delivered)
+        if left < 1:
+            raise InvalidRequest("the resumed request has nothing left to generate")
+        return PreparedRequest(
+            request.request_id, prompt_ids + delivered, replace(request.params, max_new_tokens=left), len(prompt_ids)
+        )
 
     def _tokenize(self, request: EngineRequest) -> list[int]:
         if request.input_ids is not None:

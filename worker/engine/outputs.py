@@ -22,11 +22,13 @@ class IncrementalDetokenizer:
     byte arrives; such text is held back until it is whole, or until `finish()` gives up on it.
     """
 
-    def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int], unread: int = 0) -> None:
+        """`unread`: how many of the last prompt tokens are output not yet turned into text (on a resume, the
+        bytes of a character the earlier attempt had not completed)."""
         self._tokenizer = tokenizer
-        self._tokens = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._tokens = list(prompt_ids[-(_CONTEXT_TOKENS + unread) :])
         self._prefix_offset = 0
-        self._read_offset = len(self._tokens)
+        self._read_offset = len(self._tokens) - unread
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Adds new tokens and returns the text they complete (possibly empty)."""
@@ -55,10 +57,10 @@ class StopStringMatcher:
     string; the stop string itself is never emitted (as in vLLM's default).
     """
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], pending: str = "") -> None:
         self._stop = tuple(s for s in stop if s)
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
-        self._pending = ""
+        self._pending = pending  # on a resume: text the earlier attempt had held back
 
     def feed(self, text: str, *, final: bool) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was hit). After a hit, nothing more is emitted."""

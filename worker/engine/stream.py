@@ -18,13 +18,15 @@ class RequestStream(AsyncIterator[Delta]):
     does), so a slow reader never stalls the engine and never misses a token.
     """
 
-    def __init__(self, request: PreparedRequest, detokenizer: IncrementalDetokenizer, kv_blocks: int) -> None:
+    def __init__(
+        self, request: PreparedRequest, detokenizer: IncrementalDetokenizer, kv_blocks: int, carry_text: str = ""
+    ) -> None:
         self.request = request
         self.request_id = request.request_id
-        self.prompt_tokens = len(request.prompt_ids)
+        self.prompt_tokens = request.prompt_tokens
         self.kv_blocks = kv_blocks
         self.detokenizer = detokenizer
-        self.stops = StopStringMatcher(request.params.stop)
+        self.stops = StopStringMatcher(request.params.stop, pending=carry_text)
         self.tokens_seen = 0  # the library's outputs are cumulative: how many generated tokens we already took
         self.closed = False  # no more deltas will be put
         self._pending: Delta | None = None

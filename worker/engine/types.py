@@ -31,6 +31,14 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class Resume:
+    """Output an earlier attempt already delivered: generation continues after it, as one stream."""
+
+    token_ids: list[int]
+    text: str  # the text delivered with those tokens (a multi-byte character may have been held back)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineRequest:
     """One generation request: exactly one of `prompt`, `messages` (chat) or `input_ids`."""
 
@@ -39,6 +47,7 @@ class EngineRequest:
     messages: list[dict[str, str]] | None = None
     input_ids: list[int] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
+    resume: Resume | None = None
 
     def __repr__(self) -> str:  # prompts and ids stay out of logs
         return f"EngineRequest(request_id={self.request_id!r}, params={self.params!r})"

@@ -1,0 +1,67 @@
+"""The promise: a request that was accepted is answered, as one stream with no gap and no duplicate,
+whatever happens to the worker generating it (and to Redis, restarted with its AOF)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.faults.cluster import Cluster, FaultReport, run_faults
+from tests.tiny_models import save_tiny_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("faults-model"), "llama", max_positions=512)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, model_dir: Path) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path, model_dir)
+    for name in ("w0", "w1", "w2"):
+        cluster.start_worker(name)
+    yield cluster
+    cluster.close()
+
+
+def assert_nothing_lost(report: FaultReport) -> None:
+    assert report.lost == 0 and report.completed == report.requests, report
+    assert report.gaps == report.duplicates == report.wrong_outputs == 0, report
+    assert report.requests_left == 0 and report.unbounded_keys == 0, report
+    assert all(code == 0 for code in report.exit_codes.values()), report.exit_codes
+
+
+def test_kill_9_workers_while_they_stream(cluster: Cluster) -> None:
+    report = asyncio.run(run_faults(cluster, requests=40, faults=["kill", "kill", "kill"], malformed=0, seed=1))
+    assert report.kills == 3
+    assert_nothing_lost(report)
+
+
+def test_paused_worker_cannot_write_after_its_lease(cluster: Cluster) -> None:
+    report = asyncio.run(run_faults(cluster, requests=30, faults=["stop"], malformed=0, seed=2))
+    assert report.stops == 1
+    assert_nothing_lost(report)
+
+
+def test_sigterm_during_load_drains_or_hands_back(cluster: Cluster) -> None:
+    report = asyncio.run(run_faults(cluster, requests=30, faults=["term", "term"], malformed=0, seed=3))
+    assert report.terms == 2
+    assert_nothing_lost(report)
+
+
+def test_redis_restart_during_load(cluster: Cluster) -> None:
+    report = asyncio.run(run_faults(cluster, requests=30, faults=["redis"], malformed=0, seed=4))
+    assert report.redis_restarts == 1
+    assert_nothing_lost(report)
+
+
+def test_malformed_entries_among_valid_requests(cluster: Cluster) -> None:
+    report = asyncio.run(run_faults(cluster, requests=30, faults=[], malformed=1000, seed=5))
+    assert len(cluster.alive()) == 0  # all stopped cleanly at the end (exit codes checked below)
+    assert 0 < report.dead_letters <= 10_000
+    assert_nothing_lost(report)

@@ -1,0 +1,92 @@
+"""Leases on in-flight requests: renewal, claiming a dead worker's requests, handing requests back.
+
+A worker owns the entries it read until their idle time passes `lease_timeout_s`. It renews the idle time of
+the entries it still owns (checked inside the script, never blindly), so a live worker's requests never move
+however long they generate, and a dead worker's move to whoever runs XAUTOCLAIM next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from client.protocol import CONSUMER_GROUP, Keys
+
+# Returns the ids this consumer no longer owns (claimed by another worker, or acknowledged meanwhile).
+_RENEW = """
+local lost = {}
+for i = 3, #ARGV do
+  local entry = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if entry[1] and entry[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+return lost
+"""
+
+_HANDED_BACK_IDLE_MS = 365 * 24 * 3600 * 1000  # idle "for a year": any worker's next XAUTOCLAIM takes it
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    entry_id: bytes
+    fields: dict[bytes, bytes]
+    deliveries: int
+
+
+class Leases:
+    def __init__(self, redis: Redis, keys: Keys, consumer: str, lease_timeout_s: float) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._consumer = consumer
+        self._lease_ms = int(lease_timeout_s * 1000)
+        self._renew = redis.register_script(_RENEW)
+        self._cursor: bytes | str = "0-0"
+
+    async def renew(self, entry_ids: list[bytes]) -> set[bytes]:
+        """Resets the idle time of the entries still ours; returns those we lost."""
+        if not entry_ids:
+            return set()
+        lost = await self._renew(keys=[self._keys.requests], args=[CONSUMER_GROUP, self._consumer, *entry_ids])
+        return {_bytes(entry_id) for entry_id in lost}
+
+    async def claim(self, count: int) -> list[Claimed]:
+        """Takes up to `count` entries idle past the lease (their worker died), following XAUTOCLAIM's cursor."""
+        if count < 1:
+            return []
+        reply = await self._redis.xautoclaim(
+            self._keys.requests, CONSUMER_GROUP, self._consumer, self._lease_ms, start_id=self._cursor, count=count
+        )
+        self._cursor, entries = reply[0], reply[1]
+        # Redis 7 drops entries deleted meanwhile and lists them apart; 6.2 returns them with no fields.
+        entries = [(entry_id, fields) for entry_id, fields in entries if fields]
+        if not entries:
+            return []
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for entry_id, _ in entries:
+                pipe.xpending_range(self._keys.requests, CONSUMER_GROUP, min=entry_id, max=entry_id, count=1)
+            pending = await pipe.execute()
+        return [
+            Claimed(_bytes(entry_id), fields, int(info[0]["times_delivered"]) if info else 1)
+            for (entry_id, fields), info in zip(entries, pending, strict=True)
+        ]
+
+    async def hand_back(self, entry_ids: list[bytes]) -> None:
+        """Makes our entries claimable at once (idle past any lease); used at shutdown and after an engine crash."""
+        if entry_ids:
+            await self._redis.xclaim(
+                self._keys.requests,
+                CONSUMER_GROUP,
+                self._consumer,
+                0,
+                entry_ids,
+                idle=_HANDED_BACK_IDLE_MS,
+                justid=True,
+            )
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()

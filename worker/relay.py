@@ -1,0 +1,79 @@
+"""One request in a worker: its engine deltas become result events, `seq` continuing after a resume."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from client.protocol import DoneEvent, ErrorEvent, Timings, TokensEvent, Usage, ms_now
+from worker.engine import EngineClosed, EngineError, EngineFailed, FinishReason, RequestStream
+from worker.intake import Ready
+from worker.publisher import Publisher, Target
+
+
+class Relay:
+    """Owns one running request: publishes its output under its attempt number until it ends or is fenced."""
+
+    def __init__(self, ready: Ready, publisher: Publisher, log: object) -> None:
+        self.ready = ready
+        self.request = ready.accepted.request
+        self.entry_id = ready.accepted.entry_id
+        self.target = Target(self.request.id, self.request.result_ttl, ready.attempt)
+        self.fenced = False  # another worker owns the request now: write nothing more
+        self.tokens = len(ready.delivered_ids)
+        self.task: asyncio.Task[None] | None = None
+        self._publisher = publisher
+        self._log = log
+
+    def done(self, reason: str, prompt_tokens: int, started_ms: int | None = None, first_ms: int | None = None) -> None:
+        submitted = self.request.submitted
+        timings = Timings(
+            queue_ms=None if started_ms is None else started_ms - submitted,
+            ttft_ms=None if first_ms is None else first_ms - submitted,
+            total_ms=ms_now() - submitted,
+        )
+        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=self.tokens)
+        event = DoneEvent(finish_reason=reason, usage=usage, timings=timings)  # type: ignore[arg-type]
+        self._publisher.finish(self.target, event, self.entry_id, seq=self.tokens)
+
+    def error(self, code: str, message: str, retryable: bool = False) -> None:
+        event = ErrorEvent(code=code, message=message, retryable=retryable)
+        self._publisher.finish(self.target, event, self.entry_id, seq=self.tokens)
+
+    async def run(self, stream: RequestStream, on_engine_failure: Callable[[Relay], Awaitable[None]]) -> None:
+        started_ms, first_ms = ms_now(), None
+        try:
+            async for delta in stream:
+                if self.fenced:
+                    return
+                if delta.token_ids:
+                    first_ms = first_ms or ms_now()
+                    self._publisher.tokens(
+                        self.target, TokensEvent(seq=self.tokens, ids=delta.token_ids, text=delta.text)
+                    )
+                    self.tokens += len(delta.token_ids)
+                if delta.finish_reason is not None:
+                    self.done(delta.finish_reason.value, stream.prompt_tokens, started_ms, first_ms)
+                    self._log.info(
+                        "finished", request_id=self.request.id, reason=delta.finish_reason.value, tokens=self.tokens
+                    )
+        except EngineClosed:
+            self._log.info("stopped by shutdown", request_id=self.request.id)
+        except EngineFailed as error:
+            # Hand it back: another attempt resumes it; one that keeps killing engines hits the delivery limit.
+            self._log.warning("engine failed under request", request_id=self.request.id, error=str(error))
+            await on_engine_failure(self)
+        except EngineError as error:
+            self.error(error.code, str(error), error.retryable)
+
+
+def finish_without_generating(relay: Relay, eos_token_ids: tuple[int, ...]) -> str | None:
+    """The finish reason of a request whose earlier attempts already produced everything, else None."""
+    request, delivered = relay.request, relay.ready.delivered_ids
+    if relay.ready.cancelled:
+        return FinishReason.CANCELLED.value
+    if delivered and not request.params.ignore_eos and delivered[-1] in eos_token_ids:
+        return FinishReason.EOS.value
+    if len(delivered) >= request.params.max_new_tokens:
+        return FinishReason.LENGTH.value
+    return None
