@@ -8,13 +8,14 @@ from collections.abc import Awaitable, Callable
 from client.protocol import DoneEvent, ErrorEvent, Timings, TokensEvent, Usage, ms_now
 from worker.engine import EngineClosed, EngineError, EngineFailed, FinishReason, RequestStream
 from worker.intake import Ready
+from worker.metrics import Metrics
 from worker.publisher import Publisher, Target
 
 
 class Relay:
     """Owns one running request: publishes its output under its attempt number until it ends or is fenced."""
 
-    def __init__(self, ready: Ready, publisher: Publisher, log: object) -> None:
+    def __init__(self, ready: Ready, publisher: Publisher, log: object, metrics: Metrics) -> None:
         self.ready = ready
         self.request = ready.accepted.request
         self.entry_id = ready.accepted.entry_id
@@ -24,6 +25,7 @@ class Relay:
         self.task: asyncio.Task[None] | None = None
         self._publisher = publisher
         self._log = log
+        self._metrics = metrics
 
     def done(self, reason: str, prompt_tokens: int, started_ms: int | None = None, first_ms: int | None = None) -> None:
         submitted = self.request.submitted
@@ -32,6 +34,7 @@ class Relay:
             ttft_ms=None if first_ms is None else first_ms - submitted,
             total_ms=ms_now() - submitted,
         )
+        self._metrics.e2e_latency.observe(max(0.0, timings.total_ms / 1000))
         usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=self.tokens)
         event = DoneEvent(finish_reason=reason, usage=usage, timings=timings)  # type: ignore[arg-type]
         self._publisher.finish(self.target, event, self.entry_id, seq=self.tokens)
@@ -41,13 +44,21 @@ class Relay:
         self._publisher.finish(self.target, event, self.entry_id, seq=self.tokens)
 
     async def run(self, stream: RequestStream, on_engine_failure: Callable[[Relay], Awaitable[None]]) -> None:
-        started_ms, first_ms = ms_now(), None
+        started_ms, first_ms, last_ms = ms_now(), None, None
+        self._metrics.queue_time.observe(max(0.0, (started_ms - self.request.submitted) / 1000))
         try:
             async for delta in stream:
                 if self.fenced:
                     return
                 if delta.token_ids:
-                    first_ms = first_ms or ms_now()
+                    now = ms_now()
+                    if first_ms is None:
+                        first_ms = now
+                        self._metrics.time_to_first_token.observe(max(0.0, (now - self.request.submitted) / 1000))
+                    elif last_ms is not None:
+                        for _ in delta.token_ids:  # a merged delta: its tokens shared the interval
+                            self._metrics.inter_token_latency.observe((now - last_ms) / 1000 / len(delta.token_ids))
+                    last_ms = now
                     self._publisher.tokens(
                         self.target, TokensEvent(seq=self.tokens, ids=delta.token_ids, text=delta.text)
                     )

@@ -16,6 +16,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from client._core import queue_status_commands, status_from_replies
 from client.errors import ErrorCode
 from client.protocol import (
     ErrorEvent,
@@ -40,10 +41,11 @@ from worker.engine import (
 from worker.intake import Accepted, DeadLetter, Decision, Intake, Ready, Rejected
 from worker.leases import Leases
 from worker.logging import configure, get_logger, redact
+from worker.metrics import Metrics
 from worker.publisher import Publisher, Target
 from worker.relay import Relay, finish_without_generating
 
-_STALE_WORKER_MS = 10 * 60 * 1000  # heartbeats older than this are pruned from the workers hash
+_STALE_WORKER_S = 10 * 60  # heartbeats older than this are pruned from the workers hash
 
 
 class Worker:
@@ -58,6 +60,7 @@ class Worker:
         self.leases = Leases(redis, self.keys, settings.worker_id, settings.lease_timeout_s)
         self.publisher = Publisher(redis, self.keys, on_error=self._publish_failed, on_fenced=self._fence_out)
         self.log = get_logger(worker=settings.worker_id, queue=settings.queue)
+        self.metrics = Metrics(engine, settings.queue, settings.model)
         self.started_ms = ms_now()
         self.relays: dict[str, Relay] = {}
         self._capacity = asyncio.Event()
@@ -66,6 +69,11 @@ class Worker:
     async def run(self, stop: asyncio.Event, hurry: asyncio.Event | None = None) -> None:
         """Serves until `stop` is set; then drains (until `hurry` is set or the drain timeout) and hands back."""
         await self.intake.ensure_group()
+        if self.settings.metrics_port:
+            try:
+                self.metrics.serve(self.settings.metrics_port, self.settings.metrics_address)
+            except OSError as error:  # e.g. a second worker on this host with the same port
+                self.log.warning("metrics endpoint not started", port=self.settings.metrics_port, error=str(error))
         helpers = [
             asyncio.create_task(self.publisher.run(), name="publisher"),
             asyncio.create_task(self._listen_for_cancels(stop), name="cancels"),
@@ -116,6 +124,7 @@ class Worker:
         self._next_claim = now + self.settings.claim_interval_s
         claimed = await self.leases.claim(free)
         if claimed:
+            self.metrics.claims.inc(len(claimed))
             self.log.info("claimed", count=len(claimed), entries=[c.entry_id.decode() for c in claimed])
             decisions, deliveries = self.intake.decide_claimed(claimed)
             await self._start_all(decisions, deliveries)
@@ -126,6 +135,7 @@ class Worker:
             if isinstance(decision, DeadLetter):
                 self.log.warning("dead letter", entry=decision.entry_id.decode(), reason=decision.reason)
                 await self.intake.dead_letter(decision)
+                self.metrics.dead_letters.inc()
             elif isinstance(decision, Rejected):
                 self.log.info("rejected", request_id=decision.request_id, code=decision.code, reason=decision.message)
                 event = ErrorEvent(code=decision.code, message=decision.message)
@@ -135,7 +145,7 @@ class Worker:
             await self._start(ready)
 
     async def _start(self, ready: Ready) -> None:
-        relay = Relay(ready, self.publisher, self.log)
+        relay = Relay(ready, self.publisher, self.log, self.metrics)
         request = relay.request
         if ready.finished:  # an earlier attempt published its end but died before acknowledging
             self.publisher.finish(relay.target, None, relay.entry_id)
@@ -144,6 +154,7 @@ class Worker:
             reason = f"claimed {ready.deliveries} times (max_deliveries {self.settings.max_deliveries})"
             self.log.warning("delivery limit", request_id=request.id, reason=reason)
             await self.intake.dead_letter(DeadLetter(relay.entry_id, encode(request), reason), acknowledge=False)
+            self.metrics.dead_letters.inc()
             relay.error(ErrorCode.DELIVERY_LIMIT, f"the request failed repeatedly: {reason}")
             return
         reason = finish_without_generating(relay, self.engine.eos_token_ids)
@@ -256,24 +267,22 @@ class Worker:
                 await self.redis.hset(self.keys.workers, self.settings.worker_id, encode(self.info()))
                 if self.engine.alive:  # the container health check reads this file's age
                     self.settings.health_file.write_text(str(ms_now()))
-                await self._prune_stale_workers()
+                await self._report_queue()
             except Exception as error:
                 self.log.warning("heartbeat failed", error=redact(str(error)))
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.settings.heartbeat_s):
                     await stop.wait()
 
-    async def _prune_stale_workers(self) -> None:
-        """Keeps the workers hash bounded: entries of workers dead for long are removed."""
-        from client.protocol import MalformedEntry, decode_worker
-
-        stale = []
-        for worker_id, raw in (await self.redis.hgetall(self.keys.workers)).items():
-            try:
-                if ms_now() - decode_worker(raw).heartbeat > _STALE_WORKER_MS:
-                    stale.append(worker_id)
-            except MalformedEntry:
-                stale.append(worker_id)
+    async def _report_queue(self) -> None:
+        """Queue gauges for the metrics, and pruning: heartbeats of workers gone for long leave the hash."""
+        pipe = self.redis.pipeline(transaction=False)
+        queue_status_commands(pipe, self.keys)
+        replies = await pipe.execute(raise_on_error=False)
+        status = status_from_replies(self.keys.queue, replies, stale_after_s=_STALE_WORKER_S)
+        self.metrics.set_queue(status.depth, status.pending, status.lag)
+        live = {worker.id for worker in status.workers}
+        stale = [field for field in replies[3] if _text(field) not in live]
         if stale:
             await self.redis.hdel(self.keys.workers, *stale)
 

@@ -34,6 +34,8 @@ WORKER_FLAGS = [
     "0.5",
     "--log-format",
     "json",
+    "--metrics-port",
+    "0",
 ]
 
 

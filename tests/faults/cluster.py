@@ -34,6 +34,7 @@ WORKER_FLAGS = {
     "--drain-timeout-s": 0.2,
     "--log-format": "json",
     "--max-deliveries": 20,
+    "--metrics-port": 0,
 }
 
 
@@ -225,7 +226,11 @@ async def run_faults(cluster: Cluster, *, requests: int, faults: list[str], malf
     expected = await expected_outputs(cluster.model_dir, prompts, lengths)
     report = FaultReport(requests=requests, malformed=malformed)
     bad = malformed_entries(malformed, seed)
-    async with AsyncClient(cluster.url, max_queue_len=0) as client, Redis.from_url(cluster.url) as redis:
+    # One blocking XREAD per request in flight: the pool must hold them all.
+    async with (
+        AsyncClient(cluster.url, max_queue_len=0, max_connections=requests + 16) as client,
+        Redis.from_url(cluster.url) as redis,
+    ):
         await wait_for_workers(client, len(cluster.workers))
         jobs = []
         per_request = max(1, len(bad) // max(1, requests))

@@ -33,6 +33,7 @@ def worker_settings(redis_url: str, model_dir: Path, **overrides: Any) -> Settin
         "read_block_ms": 50,
         "heartbeat_s": 0.2,
         "model_cache_dir": model_dir / "cache",
+        "metrics_port": 0,
         **overrides,
     }
     return Settings(_env_file=None, **values)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
 _RECENT_STEPS = 2048
@@ -18,6 +19,7 @@ class StepCounters:
         self.restarts = 0
         self.finished: Counter[str] = Counter()
         self.recent_batch_tokens: deque[int] = deque(maxlen=_RECENT_STEPS)
+        self.step_observers: list[Callable[[int], None]] = []  # called in the engine thread with tokens per step
 
     def instrument(self, manager: Any) -> None:
         """Wraps the manager's `_generation_step` (called once per forward, in its thread; pinned to 5.24)."""
@@ -34,6 +36,8 @@ class StepCounters:
             self.decode_tokens += decode
             self.prefill_tokens += tokens - decode
             self.recent_batch_tokens.append(tokens)
+            for observe in self.step_observers:
+                observe(tokens)
 
         manager._generation_step = counted_step
 

@@ -1,0 +1,113 @@
+"""Prometheus metrics of one worker, named in vLLM's style (`llmq:` for `vllm:`), labelled by queue and model
+only (nothing unbounded: no request ids).
+
+Engine gauges and counters are read from `Engine.stats()` at scrape time (a custom collector), so they are
+never stale; latencies are observed as requests progress; batch fill is observed by the engine thread after
+every step; queue depth, pending and lag are refreshed with each heartbeat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from worker.engine import Engine
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+_FILL_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+class _EngineCollector(Collector):
+    """Engine state at scrape time."""
+
+    def __init__(self, engine: Engine, labels: dict[str, str]) -> None:
+        self._engine = engine
+        self._labels = labels
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._engine.stats()
+        names, values = list(self._labels), list(self._labels.values())
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=names)
+            family.add_metric(values, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=names)
+            family.add_metric(values, value)
+            return family
+
+        yield gauge("llmq:num_requests_running", "Requests in the engine's batch.", stats.running)
+        yield gauge("llmq:num_requests_waiting", "Requests accepted but waiting for KV blocks.", stats.waiting)
+        yield gauge("llmq:kv_cache_usage_perc", "KV cache blocks in use, 0 to 1.", stats.kv_usage)
+        yield gauge("llmq:kv_cache_blocks_total", "KV cache size in blocks.", stats.kv_blocks_total)
+        yield counter("llmq:prompt_tokens", "Prefill tokens processed.", stats.prefill_tokens)
+        yield counter("llmq:generation_tokens", "Decode tokens processed.", stats.decode_tokens)
+        yield counter("llmq:engine_steps", "Forward steps run.", stats.steps)
+        yield counter("llmq:engine_restarts", "Times the engine thread died and was restarted.", stats.restarts)
+        finished = CounterMetricFamily(
+            "llmq:request_success",
+            "Requests finished in the engine, by finish reason.",
+            labels=[*names, "finished_reason"],
+        )
+        for reason, count in sorted(stats.requests_finished.items()):
+            finished.add_metric([*values, reason], count)
+        yield finished
+
+
+class Metrics:
+    """A worker's metrics in a registry of its own (several workers can share a process in tests)."""
+
+    def __init__(self, engine: Engine, queue: str, model: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"queue": queue, "model_name": model}
+        names = list(labels)
+        self._labels = labels
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, names, buckets=buckets, registry=self.registry).labels(**labels)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, names, registry=self.registry).labels(**labels)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, names, registry=self.registry).labels(**labels)
+
+        self.time_to_first_token = histogram(
+            "llmq:time_to_first_token_seconds", "From submission to the first token published.", _LATENCY_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "llmq:inter_token_latency_seconds", "Time between consecutive tokens of a request.", _TOKEN_LATENCY_BUCKETS
+        )
+        self.e2e_latency = histogram(
+            "llmq:e2e_request_latency_seconds", "From submission to the final event.", _LATENCY_BUCKETS
+        )
+        self.queue_time = histogram(
+            "llmq:request_queue_time_seconds", "From submission to the start of generation.", _LATENCY_BUCKETS
+        )
+        self.batch_fill = histogram(
+            "llmq:batch_fill_ratio", "Tokens per engine step over max_batch_tokens.", _FILL_BUCKETS
+        )
+        self.claims = counter("llmq:claims", "Requests claimed from workers that died or handed them back.")
+        self.dead_letters = counter("llmq:dead_letters", "Entries moved to the dead-letter stream.")
+        self.queue_depth = gauge("llmq:queue_depth", "Entries in the request stream (unfinished work).")
+        self.queue_pending = gauge("llmq:queue_pending", "Entries delivered to a worker and not yet acknowledged.")
+        self.queue_lag = gauge("llmq:queue_lag", "Entries not yet delivered to any worker.")
+        self.registry.register(_EngineCollector(engine, labels))
+        max_batch_tokens = engine.config.max_batch_tokens
+        engine.counters.step_observers.append(lambda tokens: self.batch_fill.observe(tokens / max_batch_tokens))
+
+    def serve(self, port: int, address: str = "0.0.0.0") -> None:
+        """Serves `/metrics` over HTTP from a daemon thread."""
+        start_http_server(port, addr=address, registry=self.registry)
+
+    def set_queue(self, depth: int, pending: int | None, lag: int | None) -> None:
+        self.queue_depth.set(depth)
+        self.queue_pending.set(pending or 0)
+        self.queue_lag.set(lag or 0)
