@@ -275,6 +275,7 @@ class QueueStatus:
     lag: int | None
     dead: int
     workers: list[WorkerInfo] = field(default_factory=list)
+    oldest_pending_age_s: float | None = None  # how long the oldest unacknowledged request has been delivered
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "workers": [w.model_dump() for w in self.workers]}
@@ -296,6 +297,7 @@ def queue_status_commands(pipe: Any, keys: Keys) -> None:
     pipe.xinfo_groups(keys.requests)
     pipe.xlen(keys.dead)
     pipe.hgetall(keys.workers)
+    pipe.xpending(keys.requests, CONSUMER_GROUP)
 
 
 def queue_cancel_commands(pipe: Any, keys: Keys, request_id: str, ttl: int) -> None:
@@ -305,8 +307,8 @@ def queue_cancel_commands(pipe: Any, keys: Keys, request_id: str, ttl: int) -> N
 
 
 def status_from_replies(queue: str, replies: list[Any], stale_after_s: float) -> QueueStatus:
-    """Build `QueueStatus` from the replies to XLEN requests, XINFO GROUPS, XLEN dead, HGETALL workers."""
-    depth, groups, dead, workers_hash = replies
+    """Build `QueueStatus` from the replies to XLEN requests, XINFO GROUPS, XLEN dead, HGETALL workers, XPENDING."""
+    depth, groups, dead, workers_hash, pending_summary = replies
     for reply in (depth, dead, workers_hash):
         if isinstance(reply, Exception):
             raise reply
@@ -321,7 +323,23 @@ def status_from_replies(queue: str, replies: list[Any], stale_after_s: float) ->
         if info.heartbeat >= oldest:
             workers.append(info)
     workers.sort(key=lambda w: w.id)
-    return QueueStatus(queue=queue, depth=depth, pending=pending, lag=lag, dead=dead, workers=workers)
+    return QueueStatus(
+        queue=queue,
+        depth=depth,
+        pending=pending,
+        lag=lag,
+        dead=dead,
+        workers=workers,
+        oldest_pending_age_s=_oldest_pending_age_s(pending_summary),
+    )
+
+
+def _oldest_pending_age_s(summary: Any) -> float | None:
+    """Age of the oldest delivered, unacknowledged entry, from its id's millisecond part."""
+    if isinstance(summary, Exception) or not summary or not summary.get("min"):
+        return None
+    oldest = summary["min"].decode() if isinstance(summary["min"], bytes) else summary["min"]
+    return max(0.0, (ms_now() - int(oldest.split("-")[0])) / 1000)
 
 
 class BaseClient:

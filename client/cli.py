@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from urllib.parse import urlsplit
 
 from redis.exceptions import RedisError
@@ -43,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", parents=[common], help="queue depth, lag, dead letters, workers")
     status.add_argument("--stale-after", type=float, default=15.0, help="seconds without heartbeat = gone")
-    status.add_argument("--json", action="store_true")
+    status.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+    status.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS", help="refresh in place")
 
     cancel = commands.add_parser("cancel", parents=[common], help="cancel a request by id")
     cancel.add_argument("request_id")
@@ -89,31 +91,51 @@ def _print_result(job: Job, args: argparse.Namespace) -> int:
     return code
 
 
-def _format_status(status: QueueStatus) -> str:
-    def unknown(value: int | None) -> str:
-        return "-" if value is None else str(value)
+def _format_status(status: QueueStatus, previous: QueueStatus | None = None) -> str:
+    """The status as text; with the previous reading, tokens/s is the rate since then, else since start."""
+
+    def unknown(value: float | None, unit: str = "") -> str:
+        return "-" if value is None else f"{value:.0f}{unit}" if isinstance(value, float) else f"{value}{unit}"
 
     lines = [
         f"queue {status.queue}: depth {status.depth}, pending {unknown(status.pending)}, "
-        f"lag {unknown(status.lag)}, dead letters {status.dead}",
+        f"lag {unknown(status.lag)}, oldest pending {unknown(status.oldest_pending_age_s, ' s')}, "
+        f"dead letters {status.dead}",
         f"live workers: {len(status.workers)}",
     ]
     now = ms_now()
+    before = {w.id: w for w in previous.workers} if previous else {}
     for w in status.workers:
         kv = f"{w.kv_used_blocks}/{w.kv_total_blocks}" + (
             f" ({100 * w.kv_used_blocks / w.kv_total_blocks:.0f}%)" if w.kv_total_blocks else ""
         )
+        last = before.get(w.id)
+        since = last if last is not None and last.heartbeat < w.heartbeat else None
+        tokens = w.tokens_generated - (since.tokens_generated if since else 0)
+        seconds = (w.heartbeat - (since.heartbeat if since else w.started)) / 1000
+        rate = tokens / seconds if seconds > 0 else 0.0
         lines.append(
-            f"  {w.id}  running {w.running}  waiting {w.waiting}  kv {kv}  "
+            f"  {w.id}  running {w.running}  waiting {w.waiting}  kv {kv}  {rate:.1f} tok/s  "
             f"heartbeat {(now - w.heartbeat) / 1000:.1f} s ago  ({w.model} on {w.host})"
         )
     return "\n".join(lines)
 
 
 def _status(client: Client, args: argparse.Namespace) -> int:
-    status = client.status(stale_after_s=args.stale_after)
-    print(json.dumps(status.as_dict()) if args.json else _format_status(status))
-    return 0
+    if args.watch is None:
+        status = client.status(stale_after_s=args.stale_after)
+        print(json.dumps(status.as_dict()) if args.json else _format_status(status))
+        return 0
+    previous = None
+    try:
+        while True:  # Ctrl-C ends it
+            status = client.status(stale_after_s=args.stale_after)
+            text = json.dumps(status.as_dict()) if args.json else _format_status(status, previous)
+            print(text if args.json else f"\x1b[H\x1b[2J{text}", flush=True)  # clear and redraw in place
+            previous = status
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
 
 
 def _cancel(client: Client, args: argparse.Namespace) -> int:

@@ -76,3 +76,25 @@ def test_health_check_follows_the_heartbeat_file(tmp_path: Path) -> None:
     assert check(settings) is None
     settings.health_file.write_text(str(int(time.time() * 1000) - 60_000))
     assert "ago" in (check(settings) or "")
+
+
+def test_grafana_dashboard_charts_every_worker_metric() -> None:
+    import json
+
+    from worker import metrics
+
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/llmq.json").read_text())
+    exprs = " ".join(t["expr"] for panel in dashboard["panels"] for t in panel["targets"])
+    defined = set(re.findall(r'"(llmq:[a-z_]+)"', (ROOT / "worker/metrics.py").read_text()))
+    assert metrics.__name__ and defined
+    for name in defined - {"llmq:kv_cache_blocks_total", "llmq:engine_steps"}:
+        assert name in exprs, f"no panel for {name}"
+    for quantile in ("0.5", "0.95", "0.99"):
+        assert f"histogram_quantile({quantile}, sum by (le) (rate(llmq:batch_fill_ratio_bucket" in exprs
+    provisioning = ROOT / "deploy/grafana"
+    assert (provisioning / "datasources/prometheus.yml").exists() and (
+        provisioning / "dashboards/provider.yml"
+    ).exists()
+    prometheus = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
+    (job,) = prometheus["scrape_configs"]
+    assert job["dns_sd_configs"][0]["port"] == Settings.model_fields["metrics_port"].default

@@ -89,7 +89,26 @@ async def test_status_json(redis_url: str, server: aioredis.Redis, capsys: pytes
     await server.xadd(KEYS.dead, {"m": b"x"})
     assert await asyncio.to_thread(main, ["status", "--json", "--url", redis_url]) == 0
     status = json.loads(capsys.readouterr().out)
-    assert status == {"queue": "default", "depth": 1, "pending": None, "lag": None, "dead": 1, "workers": []}
+    assert status == {
+        "queue": "default",
+        "depth": 1,
+        "pending": None,
+        "lag": None,
+        "dead": 1,
+        "workers": [],
+        "oldest_pending_age_s": None,
+    }
+
+
+async def test_status_reports_the_oldest_pending_request(
+    redis_url: str, server: aioredis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await server.xgroup_create(KEYS.requests, "workers", id="0", mkstream=True)
+    await server.xadd(KEYS.requests, {"m": b"x"}, id=f"{protocol.ms_now() - 5000}-0")
+    await server.xreadgroup("workers", "w", {KEYS.requests: ">"})
+    assert await asyncio.to_thread(main, ["status", "--json", "--url", redis_url]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["pending"] == 1 and status["lag"] == 0 and 4.5 < status["oldest_pending_age_s"] < 60
 
 
 async def test_status_text_lists_workers(
@@ -153,3 +172,45 @@ def test_console_entry_point(redis_url: str) -> None:
     )
     assert done_.returncode == 0, done_.stderr
     assert json.loads(done_.stdout)["queue"] == "default"
+
+
+async def test_status_watch_redraws_with_token_rates(
+    redis_url: str, server: aioredis.Redis, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    start = protocol.ms_now() - 10_000
+    frames = iter([(100, start + 9_000), (300, start + 10_000)])
+
+    async def beat() -> None:
+        tokens, heartbeat = next(frames)
+        info = protocol.WorkerInfo(
+            id="w",
+            host="h",
+            pid=1,
+            queue="default",
+            model="m",
+            running=1,
+            waiting=0,
+            kv_used_blocks=1,
+            kv_total_blocks=10,
+            tokens_generated=tokens,
+            started=start,
+            heartbeat=heartbeat,
+        )
+        await server.hset(KEYS.workers, "w", protocol.encode(info))
+
+    await beat()
+    loop = asyncio.get_running_loop()
+    sleeps = []
+
+    def fake_sleep(seconds: float) -> None:  # the second refresh sees a new heartbeat; the third is Ctrl-C
+        sleeps.append(seconds)
+        if len(sleeps) == 2:
+            raise KeyboardInterrupt
+        asyncio.run_coroutine_threadsafe(beat(), loop).result()
+
+    monkeypatch.setattr("client.cli.time.sleep", fake_sleep)
+    assert await asyncio.to_thread(main, ["status", "--watch", "0.5", "--url", redis_url, "--stale-after", "60"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\x1b[H\x1b[2J") == 2 and sleeps == [0.5, 0.5]
+    assert "11.1 tok/s" in out  # first frame: 100 tokens over the 9 s since start
+    assert "200.0 tok/s" in out  # second frame: 200 more tokens in the 1 s between heartbeats
