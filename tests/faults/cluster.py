@@ -246,6 +246,8 @@ async def run_faults(cluster: Cluster, *, requests: int, faults: list[str], malf
         await injector
         report.completed = sum(1 for r in results if not isinstance(r, BaseException))
         report.lost = requests - report.completed
+    # A fresh connection for the checks: the one above may have outlived a Redis restart.
+    async with Redis.from_url(cluster.url) as redis:
         for job, want in zip(jobs, expected, strict=True):
             check = await check_stream(redis, job.id)
             report.gaps += check.gaps

@@ -42,7 +42,8 @@ def worker_settings(redis_url: str, model_dir: Path, **overrides: Any) -> Settin
 @dataclass
 class RunningWorker:
     worker: Worker
-    stop: asyncio.Event
+    stop: asyncio.Event  # the first SIGTERM
+    hurry: asyncio.Event  # the second
     task: asyncio.Task[None]
 
 
@@ -57,14 +58,15 @@ async def start_worker(redis_url: str, model_dir: Path) -> AsyncIterator[Callabl
         engine = await Engine(model, tokenizer, engine_config(settings)).start()
         redis = Redis.from_url(redis_url)
         worker = Worker(settings, engine, redis)
-        stop = asyncio.Event()
-        running = RunningWorker(worker, stop, asyncio.create_task(worker.run(stop)))
+        stop, hurry = asyncio.Event(), asyncio.Event()
+        running = RunningWorker(worker, stop, hurry, asyncio.create_task(worker.run(stop, hurry)))
         started.append((running, engine, redis))
         return running
 
     yield start
     for running, engine, redis in started:
         running.stop.set()
+        running.hurry.set()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(running.task, 30)
         await engine.close()

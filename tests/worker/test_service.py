@@ -146,3 +146,76 @@ async def test_heartbeat_reports_the_worker(start_worker: Any, client: AsyncClie
     assert info.id == running.worker.settings.worker_id
     assert info.kv_total_blocks == 2048 // 16 and info.tokens_generated == 5 and info.running == 0
     assert status.depth == 0
+
+
+async def test_request_claimed_too_often_goes_to_the_dead_letters(
+    start_worker: Any, client: AsyncClient, redis_url: str
+) -> None:
+    job = await client.submit(input_ids=[3, 4], max_new_tokens=5, temperature=0)
+    async with Redis.from_url(redis_url) as redis:
+        await redis.xgroup_create(KEYS.requests, CONSUMER_GROUP, id="0", mkstream=True)
+        await redis.xreadgroup(CONSUMER_GROUP, "ghost", {KEYS.requests: ">"})  # a worker that then died
+        await start_worker(lease_timeout_s=0.3, claim_interval_s=0.1, max_deliveries=1)
+        with pytest.raises(RequestFailed) as failure:
+            await job.result(timeout=30)
+        assert failure.value.code == "delivery_limit"
+        (dead,) = await redis.xrange(KEYS.dead)
+        assert "max_deliveries 1" in msgpack.unpackb(dead[1][b"m"])["reason"]
+        await asyncio.sleep(0.1)
+        assert await redis.xlen(KEYS.requests) == 0
+
+
+async def test_dead_workers_request_is_claimed_and_resumed(
+    start_worker: Any, client: AsyncClient, redis_url: str
+) -> None:
+    """A worker died after publishing 4 tokens: another claims the request and continues the same stream."""
+    running = await start_worker(lease_timeout_s=0.3, claim_interval_s=0.1)
+    expected = await engine_greedy(running.worker, [3, 4, 5], 12)
+    running.stop.set()
+    await running.task
+    job = await client.submit(input_ids=[3, 4, 5], max_new_tokens=12, temperature=0)
+    async with Redis.from_url(redis_url) as redis:
+        (entry_id, _), *_ = (await redis.xreadgroup(CONSUMER_GROUP, "ghost", {KEYS.requests: ">"}))[0][1]
+        await redis.hset(KEYS.fence(job.id), mapping={"a": 1, "n": 4})
+        event = {"v": 1, "type": "tokens", "seq": 0, "ids": expected[:4], "text": "partial"}
+        await redis.xadd(KEYS.result(job.id), {b"m": msgpack.packb(event)})
+        await start_worker(lease_timeout_s=0.3, claim_interval_s=0.1)
+        result = await job.result(timeout=30)
+        assert result.token_ids == expected
+        assert await redis.hget(KEYS.fence(job.id), "a") == b"2"  # the claim raised the attempt
+        events = [decode_event(f[b"m"]) for _, f in await redis.xrange(KEYS.result(job.id))]
+        seqs = [e.seq for e in events if e.type == "tokens"]
+        assert seqs[0] == 0 and seqs[1] == 4 and entry_id
+
+
+async def test_engine_failure_hands_the_request_back_and_it_completes(start_worker: Any, client: AsyncClient) -> None:
+    running = await start_worker(lease_timeout_s=5.0, claim_interval_s=0.1)
+    expected = await engine_greedy(running.worker, [5, 6, 7], 10)
+    model = running.worker.engine.model
+    original = model.forward
+
+    def broken_forward(*args: Any, **kwargs: Any) -> Any:
+        model.forward = original  # fail once
+        raise RuntimeError("simulated device fault")
+
+    model.forward = broken_forward
+    result = await (await client.submit(input_ids=[5, 6, 7], max_new_tokens=10, temperature=0)).result(timeout=60)
+    assert result.token_ids == expected
+    assert running.worker.engine.stats().restarts == 1 and running.worker.metrics.claims._value.get() >= 1
+
+
+async def test_second_signal_ends_the_drain_and_hands_back(
+    start_worker: Any, client: AsyncClient, redis_url: str
+) -> None:
+    running = await start_worker(drain_timeout_s=60.0)
+    job = await client.submit(input_ids=[3, 4], max_new_tokens=480, temperature=0, ignore_eos=True)
+    async for _ in job.stream(timeout=30):
+        break  # it is generating now
+    running.stop.set()  # first signal: drain
+    await asyncio.sleep(0.3)
+    assert not running.task.done()  # still draining: the request may finish within the timeout
+    running.hurry.set()  # second signal
+    await asyncio.wait_for(running.task, 10)
+    async with Redis.from_url(redis_url) as redis:
+        (pending,) = await redis.xpending_range(KEYS.requests, CONSUMER_GROUP, min="-", max="+", count=10)
+    assert pending["time_since_delivered"] > 3600 * 1000  # handed back: claimable by any worker at once
