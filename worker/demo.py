@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import signal
 import subprocess
 import sys
@@ -39,9 +40,24 @@ def embedded_redis(workdir: Path) -> Iterator[RedisServer]:
 
 @contextlib.contextmanager
 def worker_process(url: str, model: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    command = [sys.executable, "-m", "worker", "--redis-url", url, "--model", model, "--heartbeat-s", "0.5"]
+    command = [
+        sys.executable,
+        "-m",
+        "worker",
+        "--redis-url",
+        url,
+        "--model",
+        model,
+        "--heartbeat-s",
+        "0.5",
+        "--log-format",
+        "json",
+        "--metrics-port",
+        "0",
+    ]
     with log.open("wb") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+        # Its own session: Ctrl-C reaches only us, and we stop the worker before Redis, in order.
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     print(f"worker: pid {process.pid}, model {model}, log {log}")
     try:
         yield process
@@ -67,8 +83,11 @@ def wait_until_ready(client: Client, process: subprocess.Popen[bytes], log: Path
 
 
 def _last_line(log: Path) -> str:
-    lines = log.read_text(errors="replace").strip().splitlines()
-    return lines[-1] if lines else ""
+    """The worker's latest log event (its JSON lines), for the progress line."""
+    for line in reversed(log.read_text(errors="replace").splitlines()):
+        with contextlib.suppress(ValueError):
+            return str(json.loads(line).get("event", ""))
+    return ""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,6 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("prompts", nargs="*", help="prompts to ask (default: three examples)")
     args = parser.parse_args(argv)
+    # Ctrl-C and SIGTERM both clean up, even when started with SIGINT ignored (as a background job).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     workdir = Path(tempfile.mkdtemp(prefix="llmq-run-"))
     try:

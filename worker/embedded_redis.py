@@ -65,7 +65,10 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
-        self._process = subprocess.Popen(self._args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Its own session, so a Ctrl-C meant for the program that started it does not stop it first.
+        self._process = subprocess.Popen(
+            self._args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:

@@ -260,7 +260,7 @@ async def run_faults(cluster: Cluster, *, requests: int, faults: list[str], malf
         report.requests_left = await redis.xlen(KEYS.requests)
         report.dead_letters = await redis.xlen(KEYS.dead)
         report.unbounded_keys = len(await unbounded_keys(redis))
-    report.exit_codes = cluster.stop()
+    report.exit_codes.update(cluster.stop())
     return report
 
 
