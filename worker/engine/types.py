@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -91,7 +90,6 @@ class EngineStats:
     batch_fill_p99: float
     requests_finished: dict[str, int]
     restarts: int
-    created: float = field(default_factory=time.time)
 
     @property
     def kv_usage(self) -> float:
