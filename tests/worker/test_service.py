@@ -219,3 +219,15 @@ async def test_second_signal_ends_the_drain_and_hands_back(
     async with Redis.from_url(redis_url) as redis:
         (pending,) = await redis.xpending_range(KEYS.requests, CONSUMER_GROUP, min="-", max="+", count=10)
     assert pending["time_since_delivered"] > 3600 * 1000  # handed back: claimable by any worker at once
+
+
+async def test_intake_pauses_while_undelivered_output_is_over_its_bound(
+    start_worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker.publisher import Publisher
+
+    running = await start_worker(max_buffered_events=2)
+    worker = running.worker
+    assert worker.free_slots() == worker.engine.free_slots() > 0
+    monkeypatch.setattr(Publisher, "backlog", property(lambda self: 3))  # as if Redis were away
+    assert worker.free_slots() == 0
