@@ -14,9 +14,10 @@ from pathlib import Path
 
 import msgpack
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from client import AsyncClient
-from client.protocol import ENTRY_FIELD, Keys, decode_event
+from client.protocol import ENTRY_FIELD, Keys, decode_event, ms_now
 from worker.embedded_redis import RedisServer
 from worker.engine import Engine, EngineConfig, EngineRequest, LoadOptions, SamplingParams, load_model
 
@@ -241,7 +242,7 @@ async def run_faults(cluster: Cluster, *, requests: int, faults: list[str], malf
                     await redis.xadd(KEYS.requests, {ENTRY_FIELD: bad.pop()})
         for entry in bad:
             await redis.xadd(KEYS.requests, {ENTRY_FIELD: entry})
-        injector = asyncio.create_task(_inject(cluster, faults, rng, report))
+        injector = asyncio.create_task(_inject(cluster, faults, rng, report, client))
         results = await asyncio.gather(*(job.result(timeout=300) for job in jobs), return_exceptions=True)
         await injector
         report.completed = sum(1 for r in results if not isinstance(r, BaseException))
@@ -264,7 +265,20 @@ async def run_faults(cluster: Cluster, *, requests: int, faults: list[str], malf
     return report
 
 
-async def _inject(cluster: Cluster, faults: list[str], rng: object, report: FaultReport) -> None:
+async def _restart(cluster: Cluster, name: str, client: AsyncClient) -> None:
+    """Starts the worker again and waits until it serves, so the next fault meets a running worker (a
+    signal during interpreter start-up, before any handler exists, would say nothing about the service)."""
+    since = ms_now()
+    cluster.start_worker(name)
+    async with asyncio.timeout(120):
+        while True:
+            with contextlib.suppress(RedisError):  # a connection may have outlived a Redis restart
+                if any(w.id == name and w.started >= since for w in (await client.status()).workers):
+                    return
+            await asyncio.sleep(0.1)
+
+
+async def _inject(cluster: Cluster, faults: list[str], rng: object, report: FaultReport, client: AsyncClient) -> None:
     for fault in faults:
         await asyncio.sleep(rng.uniform(0.3, 1.5))  # type: ignore[attr-defined]
         while not cluster.alive():
@@ -272,7 +286,7 @@ async def _inject(cluster: Cluster, faults: list[str], rng: object, report: Faul
         name = rng.choice(cluster.alive())  # type: ignore[attr-defined]
         if fault == "kill":
             cluster.kill(name)
-            cluster.start_worker(name)
+            await _restart(cluster, name, client)
             report.kills += 1
         elif fault == "stop":  # paused past its lease: others claim; on waking it must write nothing
             cluster.signal(name, signal.SIGSTOP)
@@ -283,7 +297,7 @@ async def _inject(cluster: Cluster, faults: list[str], rng: object, report: Faul
             cluster.signal(name, signal.SIGTERM)
             code = await asyncio.to_thread(cluster.workers[name].wait, 60)
             report.exit_codes[f"{name}-term-{report.terms}"] = code
-            cluster.start_worker(name)
+            await _restart(cluster, name, client)
             report.terms += 1
         elif fault == "redis":
             await asyncio.to_thread(cluster.restart_redis)
