@@ -161,6 +161,8 @@ class Worker:
         if reason is not None:
             relay.done(reason, prompt_tokens=0)
             return
+        if request.id in self.relays:  # we claimed our own request (our lease lapsed, say in an outage)
+            self._fence_out(request.id)  # the old run stops; this attempt resumes from what it published
         resume = Resume(ready.delivered_ids, ready.delivered_text) if ready.delivered_ids else None
         try:
             stream = self.engine.submit(engine_request(request, resume))
@@ -177,7 +179,8 @@ class Worker:
         try:
             await relay.run(stream, self._hand_back)
         finally:
-            self.relays.pop(relay.request.id, None)
+            if self.relays.get(relay.request.id) is relay:  # not a newer attempt of the same request
+                del self.relays[relay.request.id]
             self._capacity.set()
 
     async def _hand_back(self, relay: Relay) -> None:

@@ -228,3 +228,20 @@ async def test_resume_continues_the_same_stream(llama_dir: Path, make_engine: An
     assert resumed[-1].prompt_tokens == len(ids) and resumed[-1].finish_reason == FinishReason.LENGTH
     with pytest.raises(InvalidRequest, match="nothing left"):
         engine.submit(EngineRequest("done", input_ids=ids, params=greedy(7), resume=Resume(delivered, delivered_text)))
+
+
+async def test_same_id_resubmitted_right_after_cancel_gets_only_its_own_tokens(
+    llama_dir: Path, make_engine: Any
+) -> None:
+    engine = await make_engine(llama_dir)
+    ids = [3, 4, 5, 6]
+    expected = tokens_of(
+        await collect(engine.submit(EngineRequest("ref", input_ids=ids, params=greedy(60, ignore_eos=True))))
+    )
+    first = engine.submit(EngineRequest("same", input_ids=ids, params=greedy(60, ignore_eos=True)))
+    delivered = tokens_of([await anext(first)])
+    assert engine.cancel("same")  # the library drops the old run a step later; the new one must not see it
+    again = engine.submit(
+        EngineRequest("same", input_ids=ids, params=greedy(60, ignore_eos=True), resume=Resume(delivered, ""))
+    )
+    assert delivered + tokens_of(await collect(again)) == expected

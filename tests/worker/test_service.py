@@ -231,3 +231,14 @@ async def test_intake_pauses_while_undelivered_output_is_over_its_bound(
     assert worker.free_slots() == worker.engine.free_slots() > 0
     monkeypatch.setattr(Publisher, "backlog", property(lambda self: 3))  # as if Redis were away
     assert worker.free_slots() == 0
+
+
+async def test_claiming_its_own_request_restarts_it_as_one_stream(start_worker: Any, client: AsyncClient) -> None:
+    """A worker whose lease lapsed (its renewals failed) may claim its own request: the old run stops and the
+    new attempt continues the same stream."""
+    running = await start_worker(lease_timeout_s=0.2, lease_renew_s=30.0, claim_interval_s=0.1, max_deliveries=1000)
+    expected = await engine_greedy(running.worker, [3, 4, 5, 6], 400)
+    job = await client.submit(input_ids=[3, 4, 5, 6], max_new_tokens=400, temperature=0)
+    result = await job.result(timeout=60)
+    assert result.token_ids == expected
+    assert running.worker.metrics.claims._value.get() >= 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from worker.engine import attention, sampling
 from worker.engine.attention import supports_varlen
 from worker.engine.errors import EngineClosed, EngineError, EngineFailed, InvalidRequest
-from worker.engine.inputs import InputProcessor, ModelLimits, PreparedRequest
+from worker.engine.inputs import InputProcessor, ModelLimits
 from worker.engine.outputs import IncrementalDetokenizer
 from worker.engine.stats import StepCounters
 from worker.engine.stream import RequestStream
@@ -68,7 +69,10 @@ class Engine:
         self._num_blocks = 0
         self._reserved_blocks = 0
         self._waiting: deque[RequestStream] = deque()
+        # Keyed by the id the library knows: the caller's id plus a serial number, because a request id can
+        # come back (a worker claiming its own request) while the library is still dropping the old run.
         self._running: dict[str, RequestStream] = {}
+        self._submissions = itertools.count()
         self._watchdog: asyncio.Task[None] | None = None
         self._closing = False
 
@@ -106,7 +110,7 @@ class Engine:
         if self._closing or self._inputs is None:
             raise EngineClosed("the engine is not running")
         prepared = self._inputs.prepare(request)
-        if prepared.request_id in self._running or any(s.request_id == prepared.request_id for s in self._waiting):
+        if self._find(prepared.request_id) is not None:
             raise InvalidRequest(f"request {prepared.request_id!r} is already in this engine")
         unread, carry_text = self._held_back(request.resume)
         stream = RequestStream(
@@ -114,10 +118,14 @@ class Engine:
             IncrementalDetokenizer(self.tokenizer, prepared.prompt_ids, unread=unread),
             kv_blocks=-(-prepared.max_tokens // self.config.page_size),
             carry_text=carry_text,
+            library_id=f"{prepared.request_id}#{next(self._submissions)}",
         )
         self._waiting.append(stream)
         self._admit()
         return stream
+
+    def _find(self, request_id: str) -> RequestStream | None:
+        return next((s for s in [*self._running.values(), *self._waiting] if s.request_id == request_id), None)
 
     def _held_back(self, resume: Resume | None) -> tuple[int, str]:
         """What the earlier attempt delivered as tokens but not yet as text: the trailing tokens of an
@@ -135,11 +143,11 @@ class Engine:
 
     def cancel(self, request_id: str) -> bool:
         """Ends the request's stream now with `cancelled`; its KV blocks are freed before the next step."""
-        stream = self._running.get(request_id) or next((s for s in self._waiting if s.request_id == request_id), None)
+        stream = self._find(request_id)
         if stream is None:
             return False
-        if request_id in self._running and self._manager is not None:
-            self._manager.cancel_request(request_id)
+        if stream.library_id in self._running and self._manager is not None:
+            self._manager.cancel_request(stream.library_id)
         stream.put(Delta(request_id, [], "", FinishReason.CANCELLED, stream.prompt_tokens))
         self._end(stream, FinishReason.CANCELLED)
         return True
@@ -238,18 +246,18 @@ class Engine:
                 return
             self._waiting.popleft()
             self._reserved_blocks += stream.kv_blocks
-            self._running[stream.request_id] = stream
-            manager.register_result_handler(stream.request_id, self._on_output)
+            self._running[stream.library_id] = stream
+            manager.register_result_handler(stream.library_id, self._on_output)
             # The library's input queue is unbounded here, so this put never blocks the loop.
-            accepted = manager.add_request(**self._library_request(stream.request))
+            accepted = manager.add_request(**self._library_request(stream))
             if accepted is None:  # the thread is dying; the watchdog fails and restarts
                 return
 
-    def _library_request(self, request: PreparedRequest) -> dict[str, Any]:
-        params = request.params
+    def _library_request(self, stream: RequestStream) -> dict[str, Any]:
+        request, params = stream.request, stream.request.params
         return {
             "input_ids": request.prompt_ids,
-            "request_id": request.request_id,
+            "request_id": stream.library_id,
             "max_new_tokens": params.max_new_tokens,
             "streaming": True,
             "eos_token_id": -1 if params.ignore_eos else list(self.eos_token_ids) or -1,
@@ -284,7 +292,7 @@ class Engine:
         if stop_hit:
             reason = FinishReason.STOP
             if not finished and self._manager is not None:
-                self._manager.cancel_request(stream.request_id)
+                self._manager.cancel_request(stream.library_id)
         elif finished:
             eos = not stream.request.params.ignore_eos and bool(tokens) and tokens[-1] in self.eos_token_ids
             reason = FinishReason.EOS if eos else FinishReason.LENGTH
@@ -294,11 +302,11 @@ class Engine:
 
     def _end(self, stream: RequestStream, outcome: str, error: EngineError | None = None) -> None:
         """Takes a request out of the engine's books, counts its outcome, and lets the next waiting one in."""
-        if stream.request_id in self._running:
-            del self._running[stream.request_id]
+        if stream.library_id in self._running:
+            del self._running[stream.library_id]
             self._reserved_blocks -= stream.kv_blocks
             if self._manager is not None:
-                self._manager.output_router.result_handlers.pop(stream.request_id, None)
+                self._manager.output_router.result_handlers.pop(stream.library_id, None)
         else:
             with contextlib.suppress(ValueError):
                 self._waiting.remove(stream)

@@ -19,10 +19,16 @@ class RequestStream(AsyncIterator[Delta]):
     """
 
     def __init__(
-        self, request: PreparedRequest, detokenizer: IncrementalDetokenizer, kv_blocks: int, carry_text: str = ""
+        self,
+        request: PreparedRequest,
+        detokenizer: IncrementalDetokenizer,
+        kv_blocks: int,
+        carry_text: str = "",
+        library_id: str = "",
     ) -> None:
         self.request = request
         self.request_id = request.request_id
+        self.library_id = library_id or request.request_id  # the id transformers' manager knows it by
         self.prompt_tokens = request.prompt_tokens
         self.kv_blocks = kv_blocks
         self.detokenizer = detokenizer
