@@ -51,6 +51,10 @@ def save_tiny_model(folder: Path, arch: str = "llama", *, max_positions: int = 1
         "eos_token_id": tokenizer.eos_token_id,
         "bos_token_id": tokenizer.bos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
+        # Larger than the 0.02 default, so logits are decisive: the top two tokens of a greedy step are rarely
+        # closer than float32 rounding, which differs with batch composition (continuous batching is not
+        # batch-invariant). With the default, a rare near-tie flipped a greedy comparison.
+        "initializer_range": 0.3,
     }
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=4, **common))

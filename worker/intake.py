@@ -57,8 +57,15 @@ class DeadLetter:
 Decision = Accepted | Rejected | DeadLetter
 
 
-def decide(entry_id: bytes, fields: dict[bytes, bytes], limits: RequestLimits, now_ms: int | None = None) -> Decision:
-    """What to do with one stream entry (pure: no I/O, so every branch is unit-tested)."""
+def decide(
+    entry_id: bytes,
+    fields: dict[bytes, bytes],
+    limits: RequestLimits,
+    now_ms: int | None = None,
+    check_deadline: bool = True,
+) -> Decision:
+    """What to do with one stream entry (pure: no I/O, so every branch is unit-tested). A claimed entry skips
+    the deadline: it was started in time, and an earlier attempt may have published part of its answer."""
     raw = fields.get(ENTRY_FIELD)
     if raw is None:
         return DeadLetter(entry_id, b"", f"entry has no field {ENTRY_FIELD.decode()!r}")
@@ -72,7 +79,8 @@ def decide(entry_id: bytes, fields: dict[bytes, bytes], limits: RequestLimits, n
         return Rejected(entry_id, error.request_id, code, str(error))
     except MalformedEntry as error:
         return DeadLetter(entry_id, raw, str(error))
-    if request.deadline is not None and request.deadline <= (now_ms if now_ms is not None else ms_now()):
+    expired = request.deadline is not None and request.deadline <= (now_ms if now_ms is not None else ms_now())
+    if check_deadline and expired:
         return Rejected(
             entry_id, request.id, ErrorCode.EXPIRED, "the deadline passed before generation started", request.result_ttl
         )
@@ -135,12 +143,14 @@ class Intake:
                 pipe.expire(self._keys.fence(request_id), item.request.result_ttl)
                 pipe.exists(self._keys.cancel(request_id))
                 pipe.xrange(self._keys.result(request_id))
+                pipe.hget(self._keys.fence(request_id), "h")
             replies = await pipe.execute()
         ready = []
         for index, item in enumerate(accepted):
-            attempt, _, cancelled, events = replies[4 * index : 4 * index + 4]
+            attempt, _, cancelled, events, handed_back = replies[5 * index : 5 * index + 5]
             ids, text, finished = _earlier_output(events)
-            count = (deliveries or {}).get(item.entry_id, 1)
+            # Deliveries that were hand-backs (shutdowns, engine crashes) do not count against the limit.
+            count = (deliveries or {}).get(item.entry_id, 1) - int(handed_back or 0)
             ready.append(Ready(item, int(attempt), bool(cancelled), ids, text, finished, count))
         return ready
 

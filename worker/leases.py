@@ -27,7 +27,25 @@ end
 return lost
 """
 
-_HANDED_BACK_IDLE_MS = 365 * 24 * 3600 * 1000  # idle "for a year": any worker's next XAUTOCLAIM takes it
+# Hands back only entries this consumer still owns: sets their idle time past any lease, so any worker's next
+# XAUTOCLAIM takes them, and counts the hand-back in the request's fence hash (`h`), so a request handed back
+# at every rolling restart does not run into the delivery limit. KEYS: request stream, then one fence hash per
+# entry; ARGV: group, consumer, idle ms, then the entry ids.
+_HAND_BACK = """
+local handed = 0
+for i = 4, #ARGV do
+  local entry = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if entry[1] and entry[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'JUSTID')
+    if redis.call('EXISTS', KEYS[i - 2]) == 1 then
+      redis.call('HINCRBY', KEYS[i - 2], 'h', 1)
+    end
+    handed = handed + 1
+  end
+end
+return handed
+"""
+_HANDED_BACK_IDLE_MS = 365 * 24 * 3600 * 1000  # idle "for a year"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +62,7 @@ class Leases:
         self._consumer = consumer
         self._lease_ms = int(lease_timeout_s * 1000)
         self._renew = redis.register_script(_RENEW)
+        self._hand_back = redis.register_script(_HAND_BACK)
         self._cursor: bytes | str = "0-0"
 
     async def renew(self, entry_ids: list[bytes]) -> set[bytes]:
@@ -74,18 +93,14 @@ class Leases:
             for (entry_id, fields), info in zip(entries, pending, strict=True)
         ]
 
-    async def hand_back(self, entry_ids: list[bytes]) -> None:
-        """Makes our entries claimable at once (idle past any lease); used at shutdown and after an engine crash."""
-        if entry_ids:
-            await self._redis.xclaim(
-                self._keys.requests,
-                CONSUMER_GROUP,
-                self._consumer,
-                0,
-                entry_ids,
-                idle=_HANDED_BACK_IDLE_MS,
-                justid=True,
-            )
+    async def hand_back(self, entries: list[tuple[bytes, str]]) -> int:
+        """Makes the (entry id, request id) pairs we still own claimable at once; used at shutdown and after an
+        engine crash. Returns how many were ours to hand back."""
+        if not entries:
+            return 0
+        keys = [self._keys.requests, *(self._keys.fence(request_id) for _, request_id in entries)]
+        args = [CONSUMER_GROUP, self._consumer, _HANDED_BACK_IDLE_MS, *(entry_id for entry_id, _ in entries)]
+        return int(await self._hand_back(keys=keys, args=args))
 
 
 def _bytes(value: bytes | str) -> bytes:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
-from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
+from redis.exceptions import RedisError
 
 from client.protocol import CONSUMER_GROUP, DoneEvent, ErrorEvent, Keys, TokensEvent, encode
 
@@ -60,7 +60,9 @@ for i = 0, (#KEYS - 1) / 2 - 1 do
 end
 return written
 """
-_RETRYABLE = (ConnectionError, TimeoutError, BusyLoadingError, OSError)
+# Anything Redis says goes back in the queue: an outage, a restart still loading, and also an answer like
+# OOM under `noeviction` or READONLY after a failover, which clear once an operator acts.
+_RETRYABLE = (RedisError, OSError)
 _BACKOFF_S = (0.05, 2.0)
 
 
@@ -97,7 +99,7 @@ class Publisher:
         redis: Redis,
         keys: Keys,
         on_error: Callable[[Exception], None] | None = None,
-        on_fenced: Callable[[str], None] | None = None,
+        on_fenced: Callable[[str, int], None] | None = None,
     ) -> None:
         self._redis = redis
         self._keys = keys
@@ -173,8 +175,10 @@ class Publisher:
     def _report(self, batch: list[_Pending], written: list[int]) -> None:
         self.stats.flushes += 1
         self.stats.events += len(batch)
-        fenced = {item.target.request_id for item, ok in zip(batch, written, strict=True) if not ok}
+        fenced = {
+            (item.target.request_id, item.target.attempt) for item, ok in zip(batch, written, strict=True) if not ok
+        }
         self.stats.fenced += len(fenced)
         if self._on_fenced is not None:
-            for request_id in fenced:
-                self._on_fenced(request_id)
+            for request_id, attempt in fenced:
+                self._on_fenced(request_id, attempt or 0)

@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 from client._core import queue_status_commands, status_from_replies
 from client.errors import ErrorCode
 from client.protocol import (
+    CONSUMER_GROUP,
     ErrorEvent,
     GenerateRequest,
     Keys,
@@ -58,7 +59,7 @@ class Worker:
         self.keys = Keys(settings.queue, settings.prefix)
         self.intake = Intake(redis, self.keys, settings.worker_id, settings.limits, settings.dead_letter_maxlen)
         self.leases = Leases(redis, self.keys, settings.worker_id, settings.lease_timeout_s)
-        self.publisher = Publisher(redis, self.keys, on_error=self._publish_failed, on_fenced=self._fence_out)
+        self.publisher = Publisher(redis, self.keys, on_error=self._publish_failed, on_fenced=self._fenced)
         self.log = get_logger(worker=settings.worker_id, queue=settings.queue)
         self.metrics = Metrics(engine, settings.queue, settings.model)
         self.started_ms = ms_now()
@@ -76,8 +77,8 @@ class Worker:
                 self.log.warning("metrics endpoint not started", port=self.settings.metrics_port, error=str(error))
         helpers = [
             asyncio.create_task(self.publisher.run(), name="publisher"),
-            asyncio.create_task(self._listen_for_cancels(stop), name="cancels"),
-            asyncio.create_task(self._heartbeat(stop), name="heartbeat"),
+            asyncio.create_task(self._listen_for_cancels(), name="cancels"),
+            asyncio.create_task(self._heartbeat(), name="heartbeat"),
             asyncio.create_task(self._renew_leases(), name="leases"),
         ]
         self.log.info("worker ready", model=self.settings.model, kv_blocks=self.engine.stats().kv_blocks_total)
@@ -90,7 +91,16 @@ class Worker:
             await asyncio.gather(*helpers, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await self.redis.hdel(self.keys.workers, self.settings.worker_id)
+                await self._leave_group()
             self.log.info("worker stopped")
+
+    async def _leave_group(self) -> None:
+        """Removes this consumer from the group when it holds nothing, so restarts leave no trail of names."""
+        mine = await self.redis.xpending_range(
+            self.keys.requests, CONSUMER_GROUP, min="-", max="+", count=1, consumername=self.settings.worker_id
+        )
+        if not mine:
+            await self.redis.xgroup_delconsumer(self.keys.requests, CONSUMER_GROUP, self.settings.worker_id)
 
     # ------------------------------------------------------------------ reading and claiming
 
@@ -162,7 +172,7 @@ class Worker:
             relay.done(reason, prompt_tokens=0)
             return
         if request.id in self.relays:  # we claimed our own request (our lease lapsed, say in an outage)
-            self._fence_out(request.id)  # the old run stops; this attempt resumes from what it published
+            self._fence_out(self.relays[request.id])  # the old run stops; this attempt resumes from its output
         resume = Resume(ready.delivered_ids, ready.delivered_text) if ready.delivered_ids else None
         try:
             stream = self.engine.submit(engine_request(request, resume))
@@ -185,7 +195,7 @@ class Worker:
 
     async def _hand_back(self, relay: Relay) -> None:
         with contextlib.suppress(RedisError):
-            await self.leases.hand_back([relay.entry_id])
+            await self.leases.hand_back([(relay.entry_id, relay.request.id)])
 
     # ------------------------------------------------------------------ ownership
 
@@ -193,21 +203,26 @@ class Worker:
         while True:
             await asyncio.sleep(self.settings.lease_renew_s)
             try:
-                lost = await self.leases.renew([relay.entry_id for relay in self.relays.values()])
+                lost = await self.leases.renew([relay.entry_id for relay in self.relays.values() if not relay.fenced])
             except RedisError as error:
                 self.log.warning("renewing leases failed", error=redact(str(error)))
                 continue
             for relay in list(self.relays.values()):
                 if relay.entry_id in lost:
-                    self._fence_out(relay.request.id)
+                    self._fence_out(relay)
 
-    def _fence_out(self, request_id: str) -> None:
-        """Another worker owns this request now: stop generating it and write nothing more for it."""
+    def _fenced(self, request_id: str, attempt: int) -> None:
+        """The publisher's report: a write of `attempt` was refused. A newer attempt of ours runs on."""
         relay = self.relays.get(request_id)
-        if relay is not None and not relay.fenced:
+        if relay is not None and relay.target.attempt == attempt:
+            self._fence_out(relay)
+
+    def _fence_out(self, relay: Relay) -> None:
+        """Another attempt owns this request now: stop generating it and write nothing more for it."""
+        if not relay.fenced:
             relay.fenced = True
-            self.engine.cancel(request_id)
-            self.log.warning("lost ownership; stopped", request_id=request_id)
+            self.engine.cancel(relay.request.id)
+            self.log.warning("lost ownership; stopped", request_id=relay.request.id, attempt=relay.target.attempt)
 
     # ------------------------------------------------------------------ shutdown
 
@@ -226,22 +241,23 @@ class Worker:
         left = list(self.relays.values())
         if left:
             self.log.warning("handing back unfinished requests", count=len(left))
-            with contextlib.suppress(RedisError):
-                await self.leases.hand_back([relay.entry_id for relay in left])
             for relay in left:
-                relay.fenced = True  # whoever claims it resumes from what is published; we add nothing more
+                relay.fenced = True  # no more renewals or writes: whoever claims it resumes from what is published
+            with contextlib.suppress(RedisError):
+                await self.leases.hand_back([(relay.entry_id, relay.request.id) for relay in left])
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(self.settings.drain_timeout_s, 1.0)):
                 await self.publisher.wait_idle()
 
-    async def _listen_for_cancels(self, stop: asyncio.Event) -> None:
-        """Cancels arrive by pub/sub; a lost connection resubscribes (marks cover what was missed meanwhile)."""
-        while not stop.is_set():
+    async def _listen_for_cancels(self) -> None:
+        """Cancels arrive by pub/sub, also while draining; a lost connection resubscribes (marks cover what was
+        missed meanwhile). Runs until the worker cancels it at the very end."""
+        while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.keys.cancel_channel)
                 await self._apply_cancel_marks()  # anything published while we were not subscribed
-                while not stop.is_set():
+                while True:
                     message = await pubsub.get_message(timeout=1.0)
                     if message is not None and self.engine.cancel(_text(message["data"])):
                         self.log.info("cancelled", request_id=_text(message["data"]))
@@ -264,8 +280,9 @@ class Worker:
             if marked:
                 self.engine.cancel(request_id)
 
-    async def _heartbeat(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
+    async def _heartbeat(self) -> None:
+        """Stats for `llmq status`, the health file and the queue gauges; also while draining."""
+        while True:
             try:
                 await self.redis.hset(self.keys.workers, self.settings.worker_id, encode(self.info()))
                 if self.engine.alive:  # the container health check reads this file's age
@@ -273,9 +290,7 @@ class Worker:
                 await self._report_queue()
             except Exception as error:
                 self.log.warning("heartbeat failed", error=redact(str(error)))
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.settings.heartbeat_s):
-                    await stop.wait()
+            await asyncio.sleep(self.settings.heartbeat_s)
 
     async def _report_queue(self) -> None:
         """Queue gauges for the metrics, and pruning: heartbeats of workers gone for long leave the hash."""

@@ -245,3 +245,27 @@ async def test_same_id_resubmitted_right_after_cancel_gets_only_its_own_tokens(
         EngineRequest("same", input_ids=ids, params=greedy(60, ignore_eos=True), resume=Resume(delivered, ""))
     )
     assert delivered + tokens_of(await collect(again)) == expected
+
+
+async def test_requests_waiting_for_kv_survive_an_engine_restart(llama_dir: Path, make_engine: Any) -> None:
+    """Two requests run and two wait for KV blocks when the thread dies: the running ones fail (retryable),
+    the waiting ones go to the new engine and finish."""
+    model, tokenizer = load(llama_dir)
+    engine = await make_engine(llama_dir, model, tokenizer, kv_cache_tokens=128, page_size=16)
+    params = greedy(50, ignore_eos=True)  # 10 + 50 tokens = 4 blocks of 16: two requests fill the 8 blocks
+    streams = [engine.submit(EngineRequest(f"r{i}", input_ids=[3 + i] * 10, params=params)) for i in range(4)]
+    assert engine.stats().running == 2 and engine.stats().waiting == 2
+    original = model.forward
+
+    def broken_forward(*args: Any, **kwargs: Any) -> Any:
+        model.forward = original
+        raise RuntimeError("simulated device fault")
+
+    model.forward = broken_forward
+    outcomes = await asyncio.wait_for(
+        asyncio.gather(*(collect(s) for s in streams), return_exceptions=True), timeout=30
+    )
+    failed = [o for o in outcomes if isinstance(o, EngineFailed)]
+    finished = [o for o in outcomes if isinstance(o, list) and len(tokens_of(o)) == 50]
+    assert len(failed) == 2 and len(finished) == 2
+    assert engine.stats().restarts == 1 and engine.idle and engine.stats().kv_blocks_reserved == 0

@@ -99,8 +99,8 @@ async def test_events_wait_out_an_outage_in_order() -> None:
 
 
 async def test_fenced_writes_are_dropped_and_reported(redis: Any) -> None:
-    fenced: list[str] = []
-    publisher = Publisher(redis, KEYS, on_fenced=fenced.append)
+    fenced: list[tuple[str, int]] = []
+    publisher = Publisher(redis, KEYS, on_fenced=lambda request_id, attempt: fenced.append((request_id, attempt)))
     flusher = asyncio.create_task(publisher.run())
     (entry,) = await enqueue(redis, 1)
     await redis.hset(KEYS.fence("r"), "a", 2)  # another worker claimed the request: attempt 2
@@ -111,6 +111,6 @@ async def test_fenced_writes_are_dropped_and_reported(redis: Any) -> None:
     await publisher.wait_idle()
     events = [decode_event(f[b"m"]) for _, f in await redis.xrange(KEYS.result("r"))]
     assert [(e.seq, e.ids) for e in events] == [(0, [7])]
-    assert fenced == ["r"] and publisher.stats.fenced == 1
+    assert fenced == [("r", 1)] and publisher.stats.fenced == 1
     assert (await redis.xpending(KEYS.requests, CONSUMER_GROUP))["pending"] == 1  # the stale ack was refused
     flusher.cancel()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -154,7 +155,7 @@ class Engine:
 
     def free_slots(self) -> int:
         """How many more requests this engine would start now: what a worker should read from its queue."""
-        if self._closing or self._waiting:
+        if self._closing or self._waiting or not self.alive:  # closing, KV-bound, or restarting
             return 0
         return max(0, self.config.max_running - len(self._running))
 
@@ -240,17 +241,24 @@ class Engine:
     def _admit(self) -> None:
         """Starts waiting requests, oldest first, while batch slots and unreserved KV blocks allow."""
         manager = self._manager
-        while manager is not None and self._waiting and len(self._running) < self.config.max_running:
+        # Not into a dying thread (its failed outputs arrive before the watchdog sees it): they wait for the next.
+        while self.alive and self._waiting and len(self._running) < self.config.max_running:
+            assert manager is not None
             stream = self._waiting[0]
             if self._reserved_blocks + stream.kv_blocks > self._num_blocks:
+                return
+            if manager.background_thread_status.can_accept_new_requests() is not None:
                 return
             self._waiting.popleft()
             self._reserved_blocks += stream.kv_blocks
             self._running[stream.library_id] = stream
             manager.register_result_handler(stream.library_id, self._on_output)
             # The library's input queue is unbounded here, so this put never blocks the loop.
-            accepted = manager.add_request(**self._library_request(stream))
-            if accepted is None:  # the thread is dying; the watchdog fails and restarts
+            if manager.add_request(**self._library_request(stream)) is None:  # refused: stopping after all
+                del self._running[stream.library_id]
+                self._reserved_blocks -= stream.kv_blocks
+                manager.output_router.result_handlers.pop(stream.library_id, None)
+                self._waiting.appendleft(stream)
                 return
 
     def _library_request(self, stream: RequestStream) -> dict[str, Any]:
@@ -324,12 +332,23 @@ class Engine:
                 continue
             self.counters.restarts += 1
             fatal = manager.background_thread_status.fatal_error
+            self._manager = None  # first: ending streams admits waiting ones, which must wait for the new manager
             for stream in list(self._running.values()):
                 self._end(stream, "error", EngineFailed(f"the engine thread died ({fatal}); it was restarted"))
-            self._manager = None
             await asyncio.to_thread(manager.stop, block=True, timeout=self.config.stop_timeout_s)
-            await asyncio.to_thread(self._start_manager)
+            await self._restart_manager()
+
+    async def _restart_manager(self) -> None:
+        """Starts a fresh manager, retrying until one runs; waiting requests then go in."""
+        while not self._closing:
+            try:
+                await asyncio.to_thread(self._start_manager)
+            except Exception as error:  # e.g. memory still held by the dead one: try again shortly
+                logging.getLogger(__name__).error("engine restart failed, retrying: %s", error)
+                await asyncio.sleep(1.0)
+                continue
             self._admit()
+            return
 
 
 def _eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
