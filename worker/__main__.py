@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import faulthandler
 import signal
 import sys
+
+# `kill -USR1 <pid>` prints every thread's stack to stderr: how to see where a stuck worker is stuck.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 # Until the service installs its draining handler, a SIGTERM (say, compose scaling down a worker that is
 # still importing torch) has nothing in flight to lose: leave at once, successfully.

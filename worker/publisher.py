@@ -108,6 +108,7 @@ class Publisher:
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._stopping = False
         self._on_error = on_error
         self._on_fenced = on_fenced
         self.stats = PublisherStats()
@@ -130,16 +131,23 @@ class Publisher:
         self._idle.clear()
         self._wakeup.set()
 
+    def stop(self) -> None:
+        """Ends `run` after the batch in flight (the worker has already waited for what it could write)."""
+        self._stopping = True
+        self._wakeup.set()
+
     async def wait_idle(self) -> None:
         """Until everything queued so far is written."""
         await self._idle.wait()
 
     async def run(self) -> None:
-        """The flusher: one script call per batch of queued events, in order, until cancelled."""
+        """The flusher: one script call per batch of queued events, in order, until `stop`."""
         backoff = _BACKOFF_S[0]
-        while True:
+        while not self._stopping:
             await self._wakeup.wait()
             self._wakeup.clear()
+            if self._stopping:
+                return
             await asyncio.sleep(0)  # let the rest of this engine step's deltas land in the batch
             batch = list(self._queue)  # events queued while this batch is in flight go in the next one
             if not batch:

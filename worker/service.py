@@ -66,6 +66,9 @@ class Worker:
         self.relays: dict[str, Relay] = {}
         self._capacity = asyncio.Event()
         self._next_claim = 0.0
+        # Helpers stop on this flag, not by cancellation: a redis-py call cancelled mid-reply can surface as
+        # another error that a retrying loop would swallow (and it leaves the connection out of step).
+        self._finished = asyncio.Event()
 
     async def run(self, stop: asyncio.Event, hurry: asyncio.Event | None = None) -> None:
         """Serves until `stop` is set; then drains (until `hurry` is set or the drain timeout) and hands back."""
@@ -86,12 +89,18 @@ class Worker:
             await self._read_until(stop)
             await self._drain(hurry or asyncio.Event())
         finally:
-            for task in helpers:
+            self._finished.set()
+            self.publisher.stop()
+            _, stuck = await asyncio.wait(helpers, timeout=5.0)
+            for task in stuck:  # last resort, bounded: nothing may keep the process from exiting
                 task.cancel()
-            await asyncio.gather(*helpers, return_exceptions=True)
+            if stuck:
+                self.log.warning("helpers did not stop in time", tasks=sorted(t.get_name() for t in stuck))
+                await asyncio.wait(stuck, timeout=2.0)
             with contextlib.suppress(Exception):
-                await self.redis.hdel(self.keys.workers, self.settings.worker_id)
-                await self._leave_group()
+                async with asyncio.timeout(5.0):
+                    await self.redis.hdel(self.keys.workers, self.settings.worker_id)
+                    await self._leave_group()
             self.log.info("worker stopped")
 
     async def _leave_group(self) -> None:
@@ -199,9 +208,15 @@ class Worker:
 
     # ------------------------------------------------------------------ ownership
 
+    async def _pause(self, seconds: float) -> bool:
+        """Sleeps, but wakes when the worker finishes; True while it should go on."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._finished.wait()
+        return not self._finished.is_set()
+
     async def _renew_leases(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.lease_renew_s)
+        while await self._pause(self.settings.lease_renew_s):
             try:
                 lost = await self.leases.renew([relay.entry_id for relay in self.relays.values() if not relay.fenced])
             except RedisError as error:
@@ -251,19 +266,19 @@ class Worker:
 
     async def _listen_for_cancels(self) -> None:
         """Cancels arrive by pub/sub, also while draining; a lost connection resubscribes (marks cover what was
-        missed meanwhile). Runs until the worker cancels it at the very end."""
-        while True:
+        missed meanwhile). Runs until the worker finishes."""
+        while not self._finished.is_set():
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.keys.cancel_channel)
                 await self._apply_cancel_marks()  # anything published while we were not subscribed
-                while True:
+                while not self._finished.is_set():
                     message = await pubsub.get_message(timeout=1.0)
                     if message is not None and self.engine.cancel(_text(message["data"])):
                         self.log.info("cancelled", request_id=_text(message["data"]))
             except RedisError as error:
                 self.log.warning("cancel channel lost; resubscribing", error=redact(str(error)))
-                await asyncio.sleep(1.0)
+                await self._pause(1.0)
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
@@ -282,7 +297,7 @@ class Worker:
 
     async def _heartbeat(self) -> None:
         """Stats for `llmq status`, the health file and the queue gauges; also while draining."""
-        while True:
+        while not self._finished.is_set():
             try:
                 await self.redis.hset(self.keys.workers, self.settings.worker_id, encode(self.info()))
                 if self.engine.alive:  # the container health check reads this file's age
@@ -290,7 +305,7 @@ class Worker:
                 await self._report_queue()
             except Exception as error:
                 self.log.warning("heartbeat failed", error=redact(str(error)))
-            await asyncio.sleep(self.settings.heartbeat_s)
+            await self._pause(self.settings.heartbeat_s)
 
     async def _report_queue(self) -> None:
         """Queue gauges for the metrics, and pruning: heartbeats of workers gone for long leave the hash."""
@@ -356,7 +371,10 @@ def engine_config(settings: Settings) -> EngineConfig:
 
 
 def connect(settings: Settings) -> Redis:
-    kwargs: dict[str, Any] = {"health_check_interval": 15}
+    # A read that never gets its reply (a half-open connection) must fail and be retried, not hang the loop:
+    # every call here is short (XREADGROUP blocks for read_block_ms at most).
+    timeout_s = max(10.0, 4 * settings.read_block_ms / 1000)
+    kwargs: dict[str, Any] = {"health_check_interval": 15, "socket_timeout": timeout_s, "socket_connect_timeout": 5.0}
     if settings.redis_ca_file is not None:
         kwargs["ssl_ca_certs"] = str(settings.redis_ca_file)
     return Redis.from_url(settings.redis_url.get_secret_value(), **kwargs)

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,6 +81,18 @@ class Cluster:
     def signal(self, name: str, signum: int) -> None:
         self.workers[name].send_signal(signum)
 
+    def wait_or_dump(self, name: str, timeout: float) -> int:
+        """The exit code; a worker still running after `timeout` dumps its threads' stacks into its log
+        (SIGUSR1) and is killed, so a hang shows where it hung."""
+        process = self.workers[name]
+        try:
+            return process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            process.kill()
+            return process.wait(timeout=30) or -9
+
     def kill(self, name: str) -> None:
         self.workers[name].send_signal(signal.SIGKILL)
         self.workers[name].wait(timeout=30)
@@ -97,14 +110,7 @@ class Cluster:
         for process in self.workers.values():
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
-        codes = {}
-        for name, process in self.workers.items():
-            try:
-                codes[name] = process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                codes[name] = -9
-        return codes
+        return {name: self.wait_or_dump(name, 60) for name in self.workers}
 
     def close(self) -> None:
         self.stop()
@@ -295,7 +301,7 @@ async def _inject(cluster: Cluster, faults: list[str], rng: object, report: Faul
             report.stops += 1
         elif fault == "term":
             cluster.signal(name, signal.SIGTERM)
-            code = await asyncio.to_thread(cluster.workers[name].wait, 60)
+            code = await asyncio.to_thread(cluster.wait_or_dump, name, 60)
             report.exit_codes[f"{name}-term-{report.terms}"] = code
             await _restart(cluster, name, client)
             report.terms += 1
