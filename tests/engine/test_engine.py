@@ -269,3 +269,13 @@ async def test_requests_waiting_for_kv_survive_an_engine_restart(llama_dir: Path
     finished = [o for o in outcomes if isinstance(o, list) and len(tokens_of(o)) == 50]
     assert len(failed) == 2 and len(finished) == 2
     assert engine.stats().restarts == 1 and engine.idle and engine.stats().kv_blocks_reserved == 0
+
+
+async def test_outputs_of_ended_requests_do_not_pile_up(llama_dir: Path, make_engine: Any) -> None:
+    engine = await make_engine(llama_dir)
+    for i in range(5):
+        stream = engine.submit(EngineRequest(f"c{i}", input_ids=[3, 4], params=greedy(200, ignore_eos=True)))
+        await anext(stream)
+        engine.cancel(f"c{i}")
+    await asyncio.sleep(0.5)  # the library's last outputs for them arrive, and the watchdog clears them
+    assert engine._manager.output_router.output_queue.qsize() == 0

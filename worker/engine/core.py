@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import queue
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -328,6 +329,8 @@ class Engine:
         while not self._closing:
             await asyncio.sleep(_WATCHDOG_PERIOD_S)
             manager = self._manager
+            if manager is not None:
+                _discard(manager.output_router.output_queue)
             if manager is None or manager.is_running() or self._closing:
                 continue
             self.counters.restarts += 1
@@ -349,6 +352,14 @@ class Engine:
                 continue
             self._admit()
             return
+
+
+def _discard(unclaimed: queue.Queue[Any]) -> None:
+    """Drops outputs no handler took (the last one or two of a request we already ended): nothing reads the
+    library's shared queue, so without this it would only grow."""
+    with contextlib.suppress(queue.Empty):
+        while True:
+            unclaimed.get_nowait()
 
 
 def _eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
