@@ -21,6 +21,7 @@ from client.errors import Cancelled, QueueFull, ResultTimeout, error_from_event
 from client.protocol import (
     CONSUMER_GROUP,
     ENTRY_FIELD,
+    MAX_RESULT_TTL_S,
     PROTOCOL_VERSION,
     DoneEvent,
     ErrorEvent,
@@ -94,8 +95,8 @@ def deadline_ms(deadline: float | timedelta | datetime | None, now_ms: int) -> i
     seconds = deadline.total_seconds() if isinstance(deadline, timedelta) else deadline
     if isinstance(seconds, bool) or not isinstance(seconds, int | float):
         raise TypeError(f"deadline must be seconds, a timedelta or a datetime, not {type(deadline).__name__}")
-    if not seconds > 0:
-        raise ValueError(f"a relative deadline must be positive, got {seconds}")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"a relative deadline must be a positive number of seconds, got {seconds}")
     return now_ms + math.ceil(seconds * 1000)
 
 
@@ -359,8 +360,10 @@ class BaseClient:
     ) -> None:
         if conn.connection_pool.connection_kwargs.get("decode_responses"):
             raise ValueError("llmq needs a redis client with decode_responses=False (entries are msgpack)")
-        if max_queue_len < 0 or result_ttl < 1:
-            raise ValueError("max_queue_len must be >= 0 (0 = no limit) and result_ttl >= 1")
+        if max_queue_len < 0:
+            raise ValueError("max_queue_len must be >= 0 (0 = no limit)")
+        if isinstance(result_ttl, bool) or not isinstance(result_ttl, int) or not 1 <= result_ttl <= MAX_RESULT_TTL_S:
+            raise ValueError(f"result_ttl must be whole seconds in [1, {MAX_RESULT_TTL_S}], got {result_ttl!r}")
         self._redis = conn
         self._url = url
         self._owns_conn = owns_conn

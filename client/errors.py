@@ -36,6 +36,7 @@ class ErrorCode(StrEnum):
     EXPIRED = "expired"
     UNSUPPORTED_VERSION = "unsupported_version"
     ENGINE_FAILED = "engine_failed"
+    POISON_REQUEST = "poison_request"  # implicated in repeated engine failures; quarantined, never run again
     DELIVERY_LIMIT = "delivery_limit"
     INTERNAL = "internal"
 

@@ -19,10 +19,21 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from client.errors import ErrorCode, LLMQError
 
 __all__ = [
+    "BOUNDS",
     "CONSUMER_GROUP",
     "DEFAULT_PREFIX",
     "ENTRY_FIELD",
+    "GREEDY_BELOW_TEMPERATURE",
+    "MAX_EPOCH_MS",
+    "MAX_NEW_TOKENS",
+    "MAX_RESULT_TTL_S",
+    "MAX_SEED",
+    "MAX_TEMPERATURE",
+    "MAX_TOKEN_ID",
+    "MAX_TOP_K",
+    "MIN_SEED",
     "PROTOCOL_VERSION",
+    "Bound",
     "ChatMessage",
     "DoneEvent",
     "ErrorCode",
@@ -62,6 +73,48 @@ _NAME = re.compile(_NAME_CHARS)
 _I64_MAX = 2**63 - 1  # msgpack carries 64-bit integers; bounding every count keeps encode() total
 
 
+# --- bounds -------------------------------------------------------------------------------------
+# Every numeric field's range, in one place: the client checks them before submitting and the worker after
+# decoding, so a value the engine or Redis cannot take never gets past whichever side sees it first. Each
+# bound is set by what the library (float32 sampling, int32 token ids and top-k) or Redis (`EXPIRE`, int64
+# milliseconds) accepts; `RequestLimits` are the narrower, configurable limits inside them.
+
+MAX_TOKEN_ID = 2**31 - 1  # the library holds token ids in int32 tensors; workers also check their vocabulary
+MAX_NEW_TOKENS = 2**20  # absolute; a worker's `RequestLimits.max_new_tokens` (default 8192) is usually lower
+MAX_TEMPERATURE = 100.0  # beyond it every distribution is uniform anyway
+# Sampling divides float32 logits by the temperature: below about 1e-3 that overflows to inf/NaN, and long
+# before that the distribution is one-hot. Smaller positive temperatures therefore decode greedily (vLLM
+# clamps at the same point).
+GREEDY_BELOW_TEMPERATURE = 0.01
+MAX_TOP_K = 2**31 - 1  # int32 in the library; workers clamp it to their vocabulary
+MAX_RESULT_TTL_S = 30 * 24 * 3600  # Redis refuses an EXPIRE whose deadline overflows int64 ms; 30 days is ample
+MAX_EPOCH_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: deadlines and timestamps
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One field's documented range (`minimum` and `maximum` inclusive unless `note` says otherwise)."""
+
+    field: str
+    minimum: int | float
+    maximum: int | float
+    note: str = ""
+
+
+BOUNDS: tuple[Bound, ...] = (
+    Bound("params.max_new_tokens", 1, MAX_NEW_TOKENS, "and at most the worker's LLMQ_MAX_NEW_TOKENS"),
+    Bound("params.temperature", 0.0, MAX_TEMPERATURE, f"below {GREEDY_BELOW_TEMPERATURE} (0 included) is greedy"),
+    Bound("params.top_p", 0.0, 1.0, "0 excluded"),
+    Bound("params.top_k", 0, MAX_TOP_K, "0 is off; clamped to the model's vocabulary"),
+    Bound("params.seed", MIN_SEED, MAX_SEED),
+    Bound("input_ids[]", 0, MAX_TOKEN_ID, "and below the model's vocabulary size"),
+    Bound("deadline", 0, MAX_EPOCH_MS, "epoch ms"),
+    Bound("submitted", 0, MAX_EPOCH_MS, "epoch ms"),
+    Bound("result_ttl", 1, MAX_RESULT_TTL_S, "seconds"),
+)
+
+
 def ms_now() -> int:
     """Wall-clock time in epoch milliseconds, the unit of every timestamp on the wire."""
     return time.time_ns() // 1_000_000
@@ -79,7 +132,8 @@ class ProtocolError(LLMQError, ValueError):
 
 
 class MalformedEntry(ProtocolError):
-    """Not msgpack, not a map, no usable `v`, or (requests) no valid `id`: nobody to answer."""
+    """Not msgpack, not a map, no usable `v`, a string that is not UTF-8, or no valid `id`. A request whose id
+    could still be read is raised as `InvalidRequest` instead, so its reader gets an answer."""
 
 
 class UnsupportedVersion(ProtocolError):
@@ -180,13 +234,19 @@ class _Wire(BaseModel):
             yield name, (_Size(value) if name in self._hidden and value is not None else value)
 
 
+_EpochMs = Annotated[int, Field(strict=True, ge=0, le=MAX_EPOCH_MS)]
+_TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN_ID)]
+
+
 class SamplingParams(_Wire):
-    max_new_tokens: Annotated[int, Field(strict=True, ge=1, le=_I64_MAX)] = 256
-    temperature: Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)] = 1.0  # 0 = greedy
-    top_p: Annotated[float, Field(strict=True, gt=0, le=1)] = 1.0
-    top_k: _Count = 0  # 0 = off
+    """Decoding settings; ranges are `BOUNDS`."""
+
+    max_new_tokens: Annotated[int, Field(strict=True, ge=1, le=MAX_NEW_TOKENS)] = 256
+    temperature: Annotated[float, Field(strict=True, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)] = 1.0
+    top_p: Annotated[float, Field(strict=True, gt=0, le=1, allow_inf_nan=False)] = 1.0
+    top_k: Annotated[int, Field(strict=True, ge=0, le=MAX_TOP_K)] = 0
     stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
-    seed: Annotated[int, Field(strict=True, ge=-(2**63), le=2**64 - 1)] | None = None
+    seed: Annotated[int, Field(strict=True, ge=MIN_SEED, le=MAX_SEED)] | None = None
     ignore_eos: Annotated[bool, Field(strict=True)] = False
 
 
@@ -213,11 +273,11 @@ class GenerateRequest(_Wire):
     id: Annotated[str, Field(pattern=f"^{_NAME_CHARS}$")]
     prompt: Annotated[str, Field(min_length=1)] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    input_ids: Annotated[list[_Count], Field(min_length=1)] | None = None
+    input_ids: Annotated[list[_TokenId], Field(min_length=1)] | None = None
     params: SamplingParams = Field(default_factory=SamplingParams)
-    deadline: _Count | None = None  # epoch ms
-    result_ttl: Annotated[int, Field(strict=True, ge=1, le=_I64_MAX)] = 3600  # s
-    submitted: _Count  # epoch ms
+    deadline: _EpochMs | None = None
+    result_ttl: Annotated[int, Field(strict=True, ge=1, le=MAX_RESULT_TTL_S)] = 3600  # s
+    submitted: _EpochMs
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
@@ -349,21 +409,34 @@ def _valid_id(data: dict[Any, Any]) -> str | None:
 
 
 def _unpack(raw: bytes) -> dict[Any, Any]:
+    """The entry's map with a supported `v`. Every error carries the request id when one can be read, also
+    from an entry with a bad string elsewhere or no usable `v`, so its reader can still be answered."""
     try:
-        data = msgpack.unpackb(raw, raw=False)
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except UnicodeDecodeError:
+        raise MalformedEntry("a string is not valid UTF-8", _lossy_id(raw)) from None
     except Exception as exc:  # msgpack raises a zoo of types (ValueError, TypeError, StackError...)
         raise MalformedEntry(f"not msgpack ({type(exc).__name__})") from None
     if not isinstance(data, dict):
         raise MalformedEntry(f"expected a msgpack map, got {type(data).__name__}")
     version = data.get("v")
     if type(version) is not int:
-        raise MalformedEntry("no integer protocol version 'v'")
+        raise MalformedEntry("no integer protocol version 'v'", _valid_id(data))
     if version != PROTOCOL_VERSION:
         raise UnsupportedVersion(
             f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION})",
             _valid_id(data),
         )
     return data
+
+
+def _lossy_id(raw: bytes) -> str | None:
+    """The id of an entry that has a string which is not UTF-8 somewhere (the id itself must be clean)."""
+    try:
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=False, unicode_errors="replace")
+    except Exception:
+        return None
+    return _valid_id(data) if isinstance(data, dict) else None
 
 
 def parse_request(data: dict[str, Any]) -> GenerateRequest:
@@ -375,8 +448,16 @@ def parse_request(data: dict[str, Any]) -> GenerateRequest:
 
 
 def decode_request(raw: bytes) -> GenerateRequest:
-    """A request entry's `m` field; limits are checked separately (`GenerateRequest.check_limits`)."""
-    data = _unpack(raw)
+    """A request entry's `m` field; limits are checked separately (`GenerateRequest.check_limits`).
+
+    Raises `MalformedEntry` only when no request id can be read: with an id, a broken entry is an
+    `InvalidRequest` (or `UnsupportedVersion`) that the worker answers on the request's result stream."""
+    try:
+        data = _unpack(raw)
+    except MalformedEntry as error:
+        if error.request_id is None:
+            raise
+        raise InvalidRequest(f"invalid request: {error}", error.request_id) from None
     if _valid_id(data) is None:
         raise MalformedEntry("request has no valid 'id'")
     return parse_request(data)

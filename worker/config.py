@@ -70,6 +70,12 @@ class Settings(BaseSettings):
     lease_renew_s: float = Field(2.0, gt=0, description="how often a worker renews the leases of its requests")
     claim_interval_s: float = Field(1.0, gt=0, description="how often a worker looks for requests to claim")
     max_deliveries: int = Field(3, ge=1, description="claims after which a request goes to the dead letters")
+    max_engine_failures: int = Field(
+        2, ge=1, description="engine failures a request may be implicated in before it is quarantined"
+    )
+    max_hand_backs: int = Field(
+        10, ge=0, description="hand-backs (shutdowns, engine failures) that do not count as deliveries"
+    )
     max_buffered_events: int = Field(100_000, ge=1, description="events held while Redis is down; then intake pauses")
     health_file: Path = Field(
         Path(tempfile.gettempdir()) / "llmq-worker.health",

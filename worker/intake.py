@@ -89,7 +89,8 @@ def decide(
 
 @dataclass(frozen=True, slots=True)
 class Ready:
-    """An accepted request with what Redis knows of it: our attempt number, a cancel mark, earlier output."""
+    """An accepted request with what Redis knows of it: our attempt number, a cancel mark, earlier output, and
+    how often it was delivered and implicated in engine failures."""
 
     accepted: Accepted
     attempt: int
@@ -97,7 +98,10 @@ class Ready:
     delivered_ids: list[int]  # tokens an earlier attempt already published
     delivered_text: str
     finished: bool  # an earlier attempt already published `done` or `error`
-    deliveries: int = 1
+    deliveries: int = 1  # claims that count against the delivery limit
+    engine_failures: int = 0  # engine failures this request was implicated in, on any worker
+    first_started_ms: int | None = None  # when the first attempt started (epoch ms), for whole-request timings
+    first_token_ms: int | None = None  # when an earlier attempt published the first token
 
 
 class Intake:
@@ -131,28 +135,56 @@ class Intake:
             c.entry_id: c.deliveries for c in claimed
         }
 
-    async def prepare(self, accepted: list[Accepted], deliveries: dict[bytes, int] | None = None) -> list[Ready]:
-        """One round trip for a batch: raise each request's attempt (fencing out earlier owners), read its
-        cancel mark and whatever earlier attempts published (raised first, so nothing slips in between)."""
+    async def prepare(
+        self, accepted: list[Accepted], deliveries: dict[bytes, int] | None = None, forgiven_hand_backs: int = 10
+    ) -> tuple[list[Ready], list[Rejected]]:
+        """One round trip for a batch: raise each request's attempt (fencing out earlier owners), note the first
+        start, read its cancel mark and whatever earlier attempts published (raised first, so nothing slips in
+        between). A request whose keys Redis refuses (say, someone wrote a string where its fence hash goes) comes
+        back rejected, alone: the others of the batch start. Up to `forgiven_hand_backs` hand-backs (shutdowns,
+        engine failures) do not count as deliveries; beyond that they do, so no hand-back path can loop."""
         if not accepted:
-            return []
+            return [], []
+        now = ms_now()
         async with self._redis.pipeline(transaction=False) as pipe:
             for item in accepted:
-                request_id = item.request.id
-                pipe.hincrby(self._keys.fence(request_id), "a", 1)
-                pipe.expire(self._keys.fence(request_id), item.request.result_ttl)
-                pipe.exists(self._keys.cancel(request_id))
-                pipe.xrange(self._keys.result(request_id))
-                pipe.hget(self._keys.fence(request_id), "h")
-            replies = await pipe.execute()
-        ready = []
+                fence = self._keys.fence(item.request.id)
+                pipe.hincrby(fence, "a", 1)
+                pipe.hsetnx(fence, "s", now)
+                pipe.expire(fence, item.request.result_ttl)
+                pipe.exists(self._keys.cancel(item.request.id))
+                pipe.xrange(self._keys.result(item.request.id))
+                pipe.hmget(fence, "h", "f", "s")
+            replies = await pipe.execute(raise_on_error=False)
+        ready, refused = [], []
         for index, item in enumerate(accepted):
-            attempt, _, cancelled, events, handed_back = replies[5 * index : 5 * index + 5]
-            ids, text, finished = _earlier_output(events)
-            # Deliveries that were hand-backs (shutdowns, engine crashes) do not count against the limit.
-            count = (deliveries or {}).get(item.entry_id, 1) - int(handed_back or 0)
-            ready.append(Ready(item, int(attempt), bool(cancelled), ids, text, finished, count))
-        return ready
+            answers = replies[6 * index : 6 * index + 6]
+            failure = next((a for a in answers if isinstance(a, Exception)), None)
+            if failure is not None:
+                message = f"Redis refused this request's keys: {failure}"
+                refused.append(
+                    Rejected(item.entry_id, item.request.id, ErrorCode.INTERNAL, message, item.request.result_ttl)
+                )
+                continue
+            attempt, _, _, cancelled, events, (handed_back, failures, started) = answers
+            ids, text, finished, first_token_ms = _earlier_output(events)
+            handed_back = min(int(handed_back or 0), forgiven_hand_backs)
+            count = (deliveries or {}).get(item.entry_id, 1) - handed_back
+            ready.append(
+                Ready(
+                    item,
+                    int(attempt),
+                    bool(cancelled),
+                    ids,
+                    text,
+                    finished,
+                    count,
+                    engine_failures=int(failures or 0),
+                    first_started_ms=int(started) if started else None,
+                    first_token_ms=first_token_ms,
+                )
+            )
+        return ready, refused
 
     async def dead_letter(self, letter: DeadLetter, *, acknowledge: bool = True) -> None:
         """Copies an entry to `{<queue>}:dead` (trimmed) and, unless told otherwise, takes it off the request
@@ -167,19 +199,23 @@ class Intake:
             await pipe.execute()
 
 
-def _earlier_output(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> tuple[list[int], str, bool]:
-    """Token ids and text already published on a result stream (deduplicated by `seq`), and whether it ended."""
+def _earlier_output(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> tuple[list[int], str, bool, int | None]:
+    """Token ids and text already published on a result stream (deduplicated by `seq`), whether it ended, and
+    when its first token was written (the entry id's milliseconds)."""
     ids: list[int] = []
     text = ""
-    for _, fields in entries:
+    first_token_ms = None
+    for entry_id, fields in entries:
         try:
             event = decode_event(fields[ENTRY_FIELD])
         except (MalformedEntry, UnsupportedVersion, KeyError):
             continue
         if isinstance(event, TokensEvent):
             if event.seq == len(ids):
+                if first_token_ms is None:
+                    first_token_ms = int(entry_id.split(b"-")[0])
                 ids.extend(event.ids)
                 text += event.text
         else:
-            return ids, text, True
-    return ids, text, False
+            return ids, text, True, first_token_ms
+    return ids, text, False, first_token_ms

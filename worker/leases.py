@@ -29,16 +29,22 @@ return lost
 
 # Hands back only entries this consumer still owns: sets their idle time past any lease, so any worker's next
 # XAUTOCLAIM takes them, and counts the hand-back in the request's fence hash (`h`), so a request handed back
-# at every rolling restart does not run into the delivery limit. KEYS: request stream, then one fence hash per
-# entry; ARGV: group, consumer, idle ms, then the entry ids.
+# at every rolling restart does not run into the delivery limit; after an engine failure that implicated the
+# request it also counts that (`f`), which quarantines a request that keeps killing engines. KEYS: request
+# stream, then one fence hash per entry; ARGV: group, consumer, idle ms, 1 = engine failure, then the entry ids.
+# The fence writes are per request (pcall): a key Redis refuses fails that count, never the other hand-backs.
 _HAND_BACK = """
 local handed = 0
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   local entry = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
   if entry[1] and entry[1][2] == ARGV[2] then
     redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'JUSTID')
-    if redis.call('EXISTS', KEYS[i - 2]) == 1 then
-      redis.call('HINCRBY', KEYS[i - 2], 'h', 1)
+    local fence = KEYS[i - 3]
+    if redis.pcall('EXISTS', fence) == 1 then
+      redis.pcall('HINCRBY', fence, 'h', 1)
+      if ARGV[4] == '1' then
+        redis.pcall('HINCRBY', fence, 'f', 1)
+      end
     end
     handed = handed + 1
   end
@@ -93,13 +99,14 @@ class Leases:
             for (entry_id, fields), info in zip(entries, pending, strict=True)
         ]
 
-    async def hand_back(self, entries: list[tuple[bytes, str]]) -> int:
+    async def hand_back(self, entries: list[tuple[bytes, str]], *, engine_failure: bool = False) -> int:
         """Makes the (entry id, request id) pairs we still own claimable at once; used at shutdown and after an
-        engine crash. Returns how many were ours to hand back."""
+        engine failure (`engine_failure`: they were implicated in it). Returns how many were ours to hand back."""
         if not entries:
             return 0
         keys = [self._keys.requests, *(self._keys.fence(request_id) for _, request_id in entries)]
-        args = [CONSUMER_GROUP, self._consumer, _HANDED_BACK_IDLE_MS, *(entry_id for entry_id, _ in entries)]
+        flag = int(engine_failure)
+        args = [CONSUMER_GROUP, self._consumer, _HANDED_BACK_IDLE_MS, flag, *(entry_id for entry_id, _ in entries)]
         return int(await self._hand_back(keys=keys, args=args))
 
 

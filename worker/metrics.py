@@ -96,6 +96,9 @@ class Metrics:
         )
         self.claims = counter("llmq:claims", "Requests claimed from workers that died or handed them back.")
         self.dead_letters = counter("llmq:dead_letters", "Entries moved to the dead-letter stream.")
+        self.quarantined = counter(
+            "llmq:requests_quarantined", "Requests quarantined after repeated engine failures (poison_request)."
+        )
         self.queue_depth = gauge("llmq:queue_depth", "Entries in the request stream (unfinished work).")
         self.queue_pending = gauge("llmq:queue_pending", "Entries delivered to a worker and not yet acknowledged.")
         self.queue_lag = gauge("llmq:queue_lag", "Entries not yet delivered to any worker.")

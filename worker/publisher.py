@@ -8,7 +8,9 @@ so all requests that advanced in an engine step share one round trip. For each e
 - **idempotent**: the fence hash counts the tokens written, so an event retried after a lost reply is
   not written twice;
 - **acknowledging**: a request's final event is followed, in the same script, by XACK + XDEL, so the
-  request stream holds only unfinished work.
+  request stream holds only unfinished work;
+- **isolated**: an event whose keys Redis refuses fails alone; the request's other queued events are dropped
+  and the worker is told (`on_failed`), while every other request's events are written.
 
 When Redis is unreachable the batch stays queued, in order, and is retried with backoff; the worker reads
 no new requests while `backlog` is over its bound.
@@ -28,13 +30,12 @@ from client.protocol import CONSUMER_GROUP, DoneEvent, ErrorEvent, Keys, TokensE
 # One call per flush, whatever it carries: packing and parsing a command per event was most of a busy
 # worker's time. KEYS: the request stream, then per event its result stream and fence hash.
 # ARGV: the group, then per event: attempt ('' = unfenced), ttl, event ('' = none: acknowledge only),
-# seq, size, entry id to acknowledge ('' = none). Returns 1 (written or already there) or 0 (fenced) per event.
+# seq, size, entry id to acknowledge ('' = none). Returns per event 1 (written or already there), 0 (fenced),
+# or the error Redis gave for that event's keys alone (pcall): one request's broken key fails that request,
+# never the batch. An error that concerns the whole server (out of memory, read-only replica, loading...) fails
+# the call instead, so the batch stays queued and is retried.
 _PUBLISH = """
-local written = {}
-for i = 0, (#KEYS - 1) / 2 - 1 do
-  local result, fence = KEYS[2 + 2 * i], KEYS[3 + 2 * i]
-  local a = 2 + 6 * i
-  local attempt, ttl, event, seq, size, entry = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]
+local function publish(result, fence, attempt, ttl, event, seq, size, entry)
   local ok, write = 1, event ~= ''
   if attempt ~= '' then
     local current = redis.call('HMGET', fence, 'a', 'n')
@@ -56,7 +57,24 @@ for i = 0, (#KEYS - 1) / 2 - 1 do
     redis.call('XACK', KEYS[1], ARGV[1], entry)
     redis.call('XDEL', KEYS[1], entry)
   end
-  written[i + 1] = ok
+  return ok
+end
+local server_wide = {'OOM', 'READONLY', 'LOADING', 'BUSY', 'MASTERDOWN', 'NOREPLICAS', 'MISCONF', 'CLUSTERDOWN'}
+local written = {}
+for i = 0, (#KEYS - 1) / 2 - 1 do
+  local a = 2 + 6 * i
+  local done, outcome = pcall(publish, KEYS[2 + 2 * i], KEYS[3 + 2 * i],
+    ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5])
+  if not done then
+    local message = type(outcome) == 'table' and outcome.err or tostring(outcome)
+    for _, prefix in ipairs(server_wide) do
+      if string.sub(message, 1, #prefix) == prefix then
+        return redis.error_reply(message)
+      end
+    end
+    outcome = message
+  end
+  written[i + 1] = outcome
 end
 return written
 """
@@ -68,11 +86,13 @@ _BACKOFF_S = (0.05, 2.0)
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """Where a request's events go, and the attempt that may write them (None: unfenced, for rejections)."""
+    """Where a request's events go, the attempt that may write them (None: unfenced, for rejections), and the
+    request stream entry that its final event acknowledges."""
 
     request_id: str
     ttl_s: int
     attempt: int | None = None
+    entry_id: bytes = b""
 
 
 @dataclass(slots=True)
@@ -81,7 +101,7 @@ class _Pending:
     event: bytes
     seq: int
     size: int
-    ack_entry: bytes | None = None
+    final: bool = False  # acknowledges `target.entry_id` after the event
 
 
 @dataclass
@@ -90,6 +110,7 @@ class PublisherStats:
     events: int = 0
     failures: int = 0
     fenced: int = 0
+    refused: int = 0  # requests whose events Redis refused (`on_failed`)
     tokens: int = 0  # token ids queued for publishing: what this worker generated
 
 
@@ -100,6 +121,7 @@ class Publisher:
         keys: Keys,
         on_error: Callable[[Exception], None] | None = None,
         on_fenced: Callable[[str, int], None] | None = None,
+        on_failed: Callable[[Target, str], None] | None = None,
     ) -> None:
         self._redis = redis
         self._keys = keys
@@ -111,6 +133,7 @@ class Publisher:
         self._stopping = False
         self._on_error = on_error
         self._on_fenced = on_fenced
+        self._on_failed = on_failed
         self.stats = PublisherStats()
 
     @property
@@ -122,9 +145,9 @@ class Publisher:
         self.stats.tokens += len(event.ids)
         self._put(_Pending(target, encode(event), event.seq, len(event.ids)))
 
-    def finish(self, target: Target, event: DoneEvent | ErrorEvent | None, entry_id: bytes, seq: int = 0) -> None:
+    def finish(self, target: Target, event: DoneEvent | ErrorEvent | None, seq: int = 0) -> None:
         """The request's terminal event (after `seq` tokens), then its acknowledgement; no event: only the ack."""
-        self._put(_Pending(target, b"" if event is None else encode(event), seq, 1, ack_entry=entry_id))
+        self._put(_Pending(target, b"" if event is None else encode(event), seq, 1, final=True))
 
     def _put(self, pending: _Pending) -> None:
         self._queue.append(pending)
@@ -177,16 +200,26 @@ class Publisher:
             target = item.target
             keys += [self._keys.result(target.request_id), self._keys.fence(target.request_id)]
             attempt = "" if target.attempt is None else target.attempt
-            args += [attempt, target.ttl_s, item.event, item.seq, item.size, item.ack_entry or ""]
+            ack = target.entry_id if item.final else b""
+            args += [attempt, target.ttl_s, item.event, item.seq, item.size, ack]
         return await self._publish(keys=keys, args=args)
 
-    def _report(self, batch: list[_Pending], written: list[int]) -> None:
+    def _report(self, batch: list[_Pending], written: list[int | bytes]) -> None:
         self.stats.flushes += 1
         self.stats.events += len(batch)
-        fenced = {
-            (item.target.request_id, item.target.attempt) for item, ok in zip(batch, written, strict=True) if not ok
-        }
+        fenced, failed = set(), {}
+        for item, outcome in zip(batch, written, strict=True):
+            if isinstance(outcome, bytes):
+                failed.setdefault(item.target, outcome.decode(errors="replace"))
+            elif not outcome:
+                fenced.add((item.target.request_id, item.target.attempt))
         self.stats.fenced += len(fenced)
         if self._on_fenced is not None:
             for request_id, attempt in fenced:
                 self._on_fenced(request_id, attempt or 0)
+        if failed:
+            self.stats.refused += len(failed)
+            self._queue = [item for item in self._queue if item.target not in failed]  # they would fail alike
+            for target, message in failed.items():
+                if self._on_failed is not None:
+                    self._on_failed(target, message)

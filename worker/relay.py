@@ -19,7 +19,7 @@ class Relay:
         self.ready = ready
         self.request = ready.accepted.request
         self.entry_id = ready.accepted.entry_id
-        self.target = Target(self.request.id, self.request.result_ttl, ready.attempt)
+        self.target = Target(self.request.id, self.request.result_ttl, ready.attempt, self.entry_id)
         self.fenced = False  # another worker owns the request now: write nothing more
         self.tokens = len(ready.delivered_ids)
         self.task: asyncio.Task[None] | None = None
@@ -28,7 +28,11 @@ class Relay:
         self._metrics = metrics
 
     def done(self, reason: str, prompt_tokens: int, started_ms: int | None = None, first_ms: int | None = None) -> None:
+        """Publishes `done`. Timings describe the whole request: after a resume, the start and the first token
+        are the first attempt's."""
         submitted = self.request.submitted
+        started_ms = self.ready.first_started_ms or started_ms
+        first_ms = self.ready.first_token_ms or first_ms
         timings = Timings(
             queue_ms=None if started_ms is None else started_ms - submitted,
             ttft_ms=None if first_ms is None else first_ms - submitted,
@@ -37,13 +41,13 @@ class Relay:
         self._metrics.e2e_latency.observe(max(0.0, timings.total_ms / 1000))
         usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=self.tokens)
         event = DoneEvent(finish_reason=reason, usage=usage, timings=timings)  # type: ignore[arg-type]
-        self._publisher.finish(self.target, event, self.entry_id, seq=self.tokens)
+        self._publisher.finish(self.target, event, seq=self.tokens)
 
     def error(self, code: str, message: str, retryable: bool = False) -> None:
         event = ErrorEvent(code=code, message=message, retryable=retryable)
-        self._publisher.finish(self.target, event, self.entry_id, seq=self.tokens)
+        self._publisher.finish(self.target, event, seq=self.tokens)
 
-    async def run(self, stream: RequestStream, on_engine_failure: Callable[[Relay], Awaitable[None]]) -> None:
+    async def run(self, stream: RequestStream, on_engine_failure: Callable[[Relay, bool], Awaitable[None]]) -> None:
         started_ms, first_ms, last_ms = ms_now(), None, None
         self._metrics.queue_time.observe(max(0.0, (started_ms - self.request.submitted) / 1000))
         try:
@@ -71,9 +75,11 @@ class Relay:
         except EngineClosed:
             self._log.info("stopped by shutdown", request_id=self.request.id)
         except EngineFailed as error:
-            # Hand it back: another attempt resumes it; one that keeps killing engines hits the delivery limit.
-            self._log.warning("engine failed under request", request_id=self.request.id, error=str(error))
-            await on_engine_failure(self)
+            # Hand it back: another attempt resumes it; one that keeps killing engines is quarantined.
+            self._log.warning(
+                "engine failed under request", request_id=self.request.id, implicated=error.implicated, error=str(error)
+            )
+            await on_engine_failure(self, error.implicated)
         except EngineError as error:
             self.error(error.code, str(error), error.retryable)
 

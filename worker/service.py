@@ -59,13 +59,16 @@ class Worker:
         self.keys = Keys(settings.queue, settings.prefix)
         self.intake = Intake(redis, self.keys, settings.worker_id, settings.limits, settings.dead_letter_maxlen)
         self.leases = Leases(redis, self.keys, settings.worker_id, settings.lease_timeout_s)
-        self.publisher = Publisher(redis, self.keys, on_error=self._publish_failed, on_fenced=self._fenced)
+        self.publisher = Publisher(
+            redis, self.keys, on_error=self._publish_failed, on_fenced=self._fenced, on_failed=self._events_refused
+        )
         self.log = get_logger(worker=settings.worker_id, queue=settings.queue)
         self.metrics = Metrics(engine, settings.queue, settings.model)
         self.started_ms = ms_now()
         self.relays: dict[str, Relay] = {}
         self._capacity = asyncio.Event()
         self._next_claim = 0.0
+        self._chores: set[asyncio.Task[None]] = set()  # dead letters written from callbacks
         # Helpers stop on this flag, not by cancellation: a redis-py call cancelled mid-reply can surface as
         # another error that a retrying loop would swallow (and it leaves the connection out of step).
         self._finished = asyncio.Event()
@@ -156,18 +159,27 @@ class Worker:
                 await self.intake.dead_letter(decision)
                 self.metrics.dead_letters.inc()
             elif isinstance(decision, Rejected):
-                self.log.info("rejected", request_id=decision.request_id, code=decision.code, reason=decision.message)
-                event = ErrorEvent(code=decision.code, message=decision.message)
-                self.publisher.finish(Target(decision.request_id, decision.result_ttl), event, decision.entry_id)
+                self._reject(decision)
         accepted = [d for d in decisions if isinstance(d, Accepted)]
-        for ready in await self.intake.prepare(accepted, deliveries):
-            await self._start(ready)
+        ready, refused = await self.intake.prepare(accepted, deliveries, self.settings.max_hand_backs)
+        for rejected in refused:
+            self._reject(rejected)
+        for item in ready:
+            await self._start(item)
+
+    def _reject(self, decision: Rejected) -> None:
+        self.log.info("rejected", request_id=decision.request_id, code=decision.code, reason=decision.message)
+        event = ErrorEvent(code=decision.code, message=decision.message)
+        self.publisher.finish(Target(decision.request_id, decision.result_ttl, entry_id=decision.entry_id), event)
 
     async def _start(self, ready: Ready) -> None:
         relay = Relay(ready, self.publisher, self.log, self.metrics)
         request = relay.request
         if ready.finished:  # an earlier attempt published its end but died before acknowledging
-            self.publisher.finish(relay.target, None, relay.entry_id)
+            self.publisher.finish(relay.target, None)
+            return
+        if ready.engine_failures >= self.settings.max_engine_failures:
+            await self._quarantine(relay)
             return
         if ready.deliveries > self.settings.max_deliveries:
             reason = f"claimed {ready.deliveries} times (max_deliveries {self.settings.max_deliveries})"
@@ -184,7 +196,7 @@ class Worker:
             self._fence_out(self.relays[request.id])  # the old run stops; this attempt resumes from its output
         resume = Resume(ready.delivered_ids, ready.delivered_text) if ready.delivered_ids else None
         try:
-            stream = self.engine.submit(engine_request(request, resume))
+            stream = self.engine.submit(engine_request(request, resume, suspect=ready.engine_failures > 0))
         except EngineError as error:
             self.log.info("rejected", request_id=request.id, code=error.code, reason=str(error))
             relay.error(error.code, str(error), error.retryable)
@@ -194,6 +206,18 @@ class Worker:
         self.relays[request.id] = relay
         relay.task = asyncio.create_task(self._run_relay(relay, stream), name=request.id)
 
+    async def _quarantine(self, relay: Relay) -> None:
+        """A request implicated in `max_engine_failures` engine failures never runs again, on any worker: its
+        reader gets `poison_request`, the dead letters get the request with the reason."""
+        failures = relay.ready.engine_failures
+        reason = f"implicated in {failures} engine failures (max_engine_failures {self.settings.max_engine_failures})"
+        self.log.error("quarantined", request_id=relay.request.id, reason=reason)
+        letter = DeadLetter(relay.entry_id, encode(relay.request), f"quarantined: {reason}")
+        await self.intake.dead_letter(letter, acknowledge=False)
+        self.metrics.dead_letters.inc()
+        self.metrics.quarantined.inc()
+        relay.error(ErrorCode.POISON_REQUEST, f"the request was quarantined: it was {reason}")
+
     async def _run_relay(self, relay: Relay, stream: RequestStream) -> None:
         try:
             await relay.run(stream, self._hand_back)
@@ -202,9 +226,11 @@ class Worker:
                 del self.relays[relay.request.id]
             self._capacity.set()
 
-    async def _hand_back(self, relay: Relay) -> None:
+    async def _hand_back(self, relay: Relay, implicated: bool) -> None:
+        """After an engine failure: whoever claims the request next resumes it, and counts the failure against it
+        if it was `implicated`."""
         with contextlib.suppress(RedisError):
-            await self.leases.hand_back([(relay.entry_id, relay.request.id)])
+            await self.leases.hand_back([(relay.entry_id, relay.request.id)], engine_failure=implicated)
 
     # ------------------------------------------------------------------ ownership
 
@@ -339,8 +365,30 @@ class Worker:
     def _publish_failed(self, error: Exception) -> None:
         self.log.error("publishing results failed", error=redact(str(error)))
 
+    def _events_refused(self, target: Target, message: str) -> None:
+        """The publisher's report: Redis refused this request's events (its keys alone: a result stream someone
+        overwrote with another type, say). Its reader cannot be answered there: stop it and dead-letter it."""
+        relay = self.relays.get(target.request_id)
+        raw = b""
+        if relay is not None and relay.target == target:
+            relay.fenced = True
+            self.engine.cancel(target.request_id)
+            raw = encode(relay.request)
+        self.log.error("result stream refused; dead-lettered", request_id=target.request_id, error=redact(message))
+        letter = DeadLetter(target.entry_id, raw, f"Redis refused the request's result events: {message}")
+        chore = asyncio.create_task(self._dead_letter_quietly(letter))
+        self._chores.add(chore)
+        chore.add_done_callback(self._chores.discard)
 
-def engine_request(request: GenerateRequest, resume: Resume | None = None) -> EngineRequest:
+    async def _dead_letter_quietly(self, letter: DeadLetter) -> None:
+        try:
+            await self.intake.dead_letter(letter)
+            self.metrics.dead_letters.inc()
+        except RedisError as error:  # its lease lapses and another worker meets the same refusal: bounded by deliveries
+            self.log.warning("dead-lettering failed", entry=letter.entry_id.decode(), error=redact(str(error)))
+
+
+def engine_request(request: GenerateRequest, resume: Resume | None = None, *, suspect: bool = False) -> EngineRequest:
     params = request.params
     return EngineRequest(
         request_id=request.id,
@@ -356,6 +404,7 @@ def engine_request(request: GenerateRequest, resume: Resume | None = None) -> En
             ignore_eos=params.ignore_eos,
         ),
         resume=resume,
+        suspect=suspect,
     )
 
 

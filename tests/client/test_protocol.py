@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from client import LLMQError
+from client import LLMQError, protocol
 from client.protocol import (
     DoneEvent,
     ErrorCode,
@@ -127,8 +127,9 @@ def test_encode_drops_none_and_keeps_known_codes_typed() -> None:
         (b"\xc1garbage", MalformedEntry),
         (b"", MalformedEntry),
         (msgpack.packb([1, 2]), MalformedEntry),
-        (msgpack.packb({"id": "x", "prompt": "hi"}), MalformedEntry),  # no version
-        (msgpack.packb({"v": "1", "id": "x"}), MalformedEntry),
+        (msgpack.packb({"id": "x", "prompt": "hi"}), InvalidRequest),  # no version, but an id to answer
+        (msgpack.packb({"v": "1", "id": "x"}), InvalidRequest),
+        (msgpack.packb({"v": "1", "prompt": "hi"}), MalformedEntry),  # neither
         (msgpack.packb({"v": 1, "prompt": "hi", "submitted": 1}), MalformedEntry),  # no id to answer
         (msgpack.packb({"v": 1, "id": "no spaces", "prompt": "hi", "submitted": 1}), MalformedEntry),
         (msgpack.packb({"v": 2, "id": "x"}), UnsupportedVersion),
@@ -145,6 +146,9 @@ def test_encode_drops_none_and_keeps_known_codes_typed() -> None:
         (packed(input_ids=[-1], prompt=None), InvalidRequest),
         (packed(submitted=None), InvalidRequest),
         (packed(result_ttl=0), InvalidRequest),
+        (packed(result_ttl=2**63 - 1), InvalidRequest),  # Redis refuses such an EXPIRE
+        (packed(params={"top_k": 2**31}), InvalidRequest),  # int32 in the library
+        (packed(deadline=2**63 - 1), InvalidRequest),
     ],
 )
 def test_decode_request_errors(raw: bytes, error: type[ProtocolError]) -> None:
@@ -224,15 +228,15 @@ def test_ms_now_is_epoch_milliseconds() -> None:
 # --- properties ---------------------------------------------------------------------------------
 
 _ids = st.from_regex(r"[A-Za-z0-9._:-]{1,128}", fullmatch=True)
-_count = st.integers(0, 2**63 - 1)
+_epoch_ms = st.integers(0, protocol.MAX_EPOCH_MS)
 _params = st.builds(
     SamplingParams,
-    max_new_tokens=st.integers(1, 2**63 - 1),
-    temperature=st.floats(0, 100, allow_nan=False),
+    max_new_tokens=st.integers(1, protocol.MAX_NEW_TOKENS),
+    temperature=st.floats(0, protocol.MAX_TEMPERATURE, allow_nan=False),
     top_p=st.floats(0, 1, exclude_min=True),
-    top_k=_count,
+    top_k=st.integers(0, protocol.MAX_TOP_K),
     stop=st.lists(st.text(min_size=1), max_size=4),
-    seed=st.none() | st.integers(-(2**63), 2**64 - 1),
+    seed=st.none() | st.integers(protocol.MIN_SEED, protocol.MAX_SEED),
     ignore_eos=st.booleans(),
 )
 _inputs = st.one_of(
@@ -244,16 +248,16 @@ _inputs = st.one_of(
             )
         }
     ),
-    st.fixed_dictionaries({"input_ids": st.lists(_count, min_size=1)}),
+    st.fixed_dictionaries({"input_ids": st.lists(st.integers(0, protocol.MAX_TOKEN_ID), min_size=1)}),
 )
 _requests = st.builds(
     lambda inputs, **fields: GenerateRequest(**inputs, **fields),
     _inputs,
     id=_ids,
     params=_params,
-    deadline=st.none() | _count,
-    result_ttl=st.integers(1, 2**63 - 1),
-    submitted=_count,
+    deadline=st.none() | _epoch_ms,
+    result_ttl=st.integers(1, protocol.MAX_RESULT_TTL_S),
+    submitted=_epoch_ms,
 )
 
 

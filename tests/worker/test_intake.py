@@ -16,9 +16,9 @@ def entry(data: dict | bytes) -> dict[bytes, bytes]:
     return {b"m": data if isinstance(data, bytes) else msgpack.packb(data)}
 
 
-def valid(**fields: object) -> dict:
+def valid(fields: dict | None = None, **named: object) -> dict:
     base = {"v": 1, "id": "req-1", "prompt": "hi", "params": {"max_new_tokens": 4}, "submitted": ms_now()}
-    return {**base, **fields}
+    return {**base, **(fields or {}), **named}
 
 
 def test_valid_request_is_accepted() -> None:
@@ -37,7 +37,7 @@ def test_round_trip_through_the_client_encoder() -> None:
         (b"\xc1\xff garbage", "not msgpack"),
         (msgpack.packb([1, 2, 3]), "map"),
         (msgpack.packb({"v": 1, "prompt": "no id"}), "id"),
-        (msgpack.packb({"id": "x", "prompt": "no version"}), "version"),
+        (msgpack.packb({"v": 1, "id": "bad\udcff", "prompt": "x"}, unicode_errors="surrogateescape"), "UTF-8"),
     ],
 )
 def test_unreadable_entries_become_dead_letters(raw: bytes, reason: str) -> None:
@@ -60,11 +60,40 @@ def test_entry_without_the_m_field_is_a_dead_letter() -> None:
         ({"prompt": "x", "input_ids": [1]}, ErrorCode.INVALID_REQUEST),
         ({"params": {"max_new_tokens": 10**6}}, ErrorCode.INVALID_REQUEST),
         ({"params": {"stop": ["a"] * 20}}, ErrorCode.INVALID_REQUEST),
+        # Each of these once passed the checks and then killed the engine or a Redis batch.
+        ({"params": {"top_k": 2**31}}, ErrorCode.INVALID_REQUEST),
+        ({"params": {"temperature": 1e300}}, ErrorCode.INVALID_REQUEST),
+        ({"result_ttl": 2**62}, ErrorCode.INVALID_REQUEST),
+        ({"deadline": 2**63 - 1}, ErrorCode.INVALID_REQUEST),
+        ({"input_ids": [2**31], "prompt": None}, ErrorCode.INVALID_REQUEST),
+        # A readable id is answered, however broken the rest.
+        ({"v": None}, ErrorCode.INVALID_REQUEST),
+        ({"v": "1"}, ErrorCode.INVALID_REQUEST),
+        ({"v": 1.0}, ErrorCode.INVALID_REQUEST),
+        ({"v": 2**64 - 1}, ErrorCode.UNSUPPORTED_VERSION),
+        ({7: "an int key"}, ErrorCode.INVALID_REQUEST),
     ],
 )
 def test_invalid_requests_are_answered_with_an_error(fields: dict, code: ErrorCode) -> None:
-    decision = decide(b"1-0", entry(valid(**fields)), LIMITS)
+    decision = decide(b"1-0", entry(valid(fields)), LIMITS)
     assert isinstance(decision, Rejected) and decision.code == code and decision.request_id == "req-1"
+
+
+@pytest.mark.parametrize("where", ["prompt", "stop", "key"])
+def test_a_string_that_is_not_utf8_is_answered_when_the_id_is_readable(where: str) -> None:
+    bad = "x\udcff"  # packs as the byte 0xff, which no UTF-8 string holds
+    fields = {"prompt": bad} if where == "prompt" else {"params": {"stop": [bad]}} if where == "stop" else {bad: 1}
+    raw = msgpack.packb(valid(fields), unicode_errors="surrogateescape")
+    decision = decide(b"1-0", entry(raw), LIMITS)
+    assert isinstance(decision, Rejected) and decision.request_id == "req-1" and "UTF-8" in decision.message
+
+
+def test_a_tiny_temperature_is_accepted_and_decodes_greedily() -> None:
+    from worker.service import engine_request
+
+    decision = decide(b"1-0", entry(valid(params={"temperature": 1e-300})), LIMITS)
+    assert isinstance(decision, Accepted)
+    assert engine_request(decision.request).params.greedy
 
 
 def test_expired_deadline_is_rejected_without_generation() -> None:

@@ -53,7 +53,7 @@ async def test_one_round_trip_carries_a_whole_step(redis: Any) -> None:
     CountingRedis.executed = 0
     for i in range(3):  # one engine step: three requests advanced, the last one finished
         publisher.tokens(Target(f"r{i}", 60), TokensEvent(seq=0, ids=[1, 2], text="ab"))
-    publisher.finish(Target("r2", 60), done(2), entries[2], seq=2)
+    publisher.finish(Target("r2", 60, entry_id=entries[2]), done(2), seq=2)
     await publisher.wait_idle()
     assert CountingRedis.executed == 1 and publisher.stats.flushes == 2 and publisher.stats.events == 5
     events = [decode_event(f[b"m"]) for _, f in await redis.xrange(KEYS.result("r2"))]
@@ -71,7 +71,8 @@ async def test_events_stay_in_order_across_flushes(redis: Any) -> None:
     for seq in range(0, 30, 3):
         publisher.tokens(Target("r", 60), TokensEvent(seq=seq, ids=[seq, seq + 1, seq + 2], text="x"))
         await asyncio.sleep(0)
-    publisher.finish(Target("r", 60), ErrorEvent(code="engine_failed", message="boom", retryable=True), entry, seq=30)
+    error = ErrorEvent(code="engine_failed", message="boom", retryable=True)
+    publisher.finish(Target("r", 60, entry_id=entry), error, seq=30)
     await publisher.wait_idle()
     events = [decode_event(f[b"m"]) for _, f in await redis.xrange(KEYS.result("r"))]
     assert [e.seq for e in events[:-1]] == list(range(0, 30, 3)) and events[-1].type == "error"
@@ -105,7 +106,7 @@ async def test_fenced_writes_are_dropped_and_reported(redis: Any) -> None:
     (entry,) = await enqueue(redis, 1)
     await redis.hset(KEYS.fence("r"), "a", 2)  # another worker claimed the request: attempt 2
     publisher.tokens(Target("r", 60, attempt=1), TokensEvent(seq=0, ids=[1], text="a"))
-    publisher.finish(Target("r", 60, attempt=1), done(1), entry, seq=1)
+    publisher.finish(Target("r", 60, attempt=1, entry_id=entry), done(1), seq=1)
     publisher.tokens(Target("r", 60, attempt=2), TokensEvent(seq=0, ids=[7], text="b"))
     publisher.tokens(Target("r", 60, attempt=2), TokensEvent(seq=0, ids=[7], text="b"))  # a retried duplicate
     await publisher.wait_idle()

@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import logging
 import queue
+import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +78,7 @@ class Engine:
         self._submissions = itertools.count()
         self._watchdog: asyncio.Task[None] | None = None
         self._closing = False
+        self._lifecycle = threading.Lock()  # orders `close` against a restart finishing in its thread
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -86,8 +88,10 @@ class Engine:
         return self
 
     async def close(self) -> None:
-        """Stops the engine thread; streams still open end with `EngineClosed`."""
-        self._closing = True
+        """Stops the engine thread; streams still open end with `EngineClosed`. Also during a restart: a manager
+        that a restart is still building stops itself (`_publish`), so no thread outlives the engine."""
+        with self._lifecycle:
+            self._closing = True
         if self._watchdog is not None:
             self._watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -156,9 +160,9 @@ class Engine:
 
     def free_slots(self) -> int:
         """How many more requests this engine would start now: what a worker should read from its queue."""
-        if self._closing or self._waiting or not self.alive:  # closing, KV-bound, or restarting
-            return 0
-        return max(0, self.config.max_running - len(self._running))
+        if self._closing or not self.alive or any(not s.request.suspect for s in self._waiting):
+            return 0  # closing, restarting, or KV-bound (a suspect waits only for the one running suspect)
+        return max(0, self.config.max_running - len(self._running) - len(self._waiting))
 
     @property
     def alive(self) -> bool:
@@ -232,7 +236,16 @@ class Engine:
                 max_cached_tokens=self._num_blocks * sizing.page_size,
             ),
         )
-        self._manager = manager
+        self._publish(manager)
+
+    def _publish(self, manager: ContinuousBatchingManager) -> None:
+        """Makes a started manager the engine's, unless the engine closed meanwhile: then nobody else would stop
+        its (non-daemon) thread, and the process could never exit."""
+        with self._lifecycle:
+            if not self._closing:
+                self._manager = manager
+                return
+        manager.stop(block=True, timeout=self.config.stop_timeout_s, hard_stop=True)
 
     def _restore_attention(self) -> None:
         """Gives the model back its SDPA attention, for the library's checks and for `model.generate`."""
@@ -240,17 +253,22 @@ class Engine:
             self.model.set_attn_implementation("sdpa")
 
     def _admit(self) -> None:
-        """Starts waiting requests, oldest first, while batch slots and unreserved KV blocks allow."""
+        """Starts waiting requests, oldest first, while batch slots and unreserved KV blocks allow. A suspect
+        waits while another suspect runs, without holding up the requests behind it."""
         manager = self._manager
+        suspect_running = any(s.request.suspect for s in self._running.values())
         # Not into a dying thread (its failed outputs arrive before the watchdog sees it): they wait for the next.
-        while self.alive and self._waiting and len(self._running) < self.config.max_running:
-            assert manager is not None
-            stream = self._waiting[0]
-            if self._reserved_blocks + stream.kv_blocks > self._num_blocks:
+        for stream in list(self._waiting):
+            if not self.alive or len(self._running) >= self.config.max_running:
                 return
+            assert manager is not None
+            if stream.request.suspect and suspect_running:
+                continue
+            if self._reserved_blocks + stream.kv_blocks > self._num_blocks:
+                return  # nothing overtakes a request waiting for KV blocks
             if manager.background_thread_status.can_accept_new_requests() is not None:
                 return
-            self._waiting.popleft()
+            self._waiting.remove(stream)
             self._reserved_blocks += stream.kv_blocks
             self._running[stream.library_id] = stream
             manager.register_result_handler(stream.library_id, self._on_output)
@@ -261,6 +279,7 @@ class Engine:
                 manager.output_router.result_handlers.pop(stream.library_id, None)
                 self._waiting.appendleft(stream)
                 return
+            suspect_running = suspect_running or stream.request.suspect
 
     def _library_request(self, stream: RequestStream) -> dict[str, Any]:
         request, params = stream.request, stream.request.params
@@ -278,7 +297,7 @@ class Engine:
         # requests share one batch.
         if params.greedy:
             return {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
-        top_k = params.top_k if params.top_k > 0 else self.vocab_size
+        top_k = min(params.top_k, self.vocab_size) if params.top_k > 0 else self.vocab_size  # int32 in the library
         return {"temperature": float(params.temperature), "top_k": int(top_k), "top_p": float(params.top_p)}
 
     def _on_output(self, output: GenerationOutput) -> None:
@@ -287,7 +306,10 @@ class Engine:
         if stream is None:  # cancelled or stopped meanwhile
             return
         if output.error is not None:
-            self._end(stream, "error", EngineFailed(f"the engine failed while generating: {output.error}"))
+            manager = self._manager
+            if manager is None or manager.background_thread_status.can_accept_new_requests() is not None:
+                return  # the thread is dying: the watchdog ends every request it ran at once, blaming consistently
+            self._end(stream, "error", EngineFailed(f"the engine failed this request: {output.error}"))
             return
         tokens = output.generated_tokens
         new_tokens = tokens[stream.tokens_seen :]
@@ -336,8 +358,14 @@ class Engine:
             self.counters.restarts += 1
             fatal = manager.background_thread_status.fatal_error
             self._manager = None  # first: ending streams admits waiting ones, which must wait for the new manager
-            for stream in list(self._running.values()):
-                self._end(stream, "error", EngineFailed(f"the engine thread died ({fatal}); it was restarted"))
+            failed = list(self._running.values())
+            suspect_ran = any(stream.request.suspect for stream in failed)
+            for stream in failed:
+                error = EngineFailed(
+                    f"the engine thread died ({fatal}); it was restarted",
+                    implicated=stream.request.suspect or not suspect_ran,
+                )
+                self._end(stream, "error", error)
             await asyncio.to_thread(manager.stop, block=True, timeout=self.config.stop_timeout_s)
             await self._restart_manager()
 

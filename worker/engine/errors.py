@@ -23,10 +23,16 @@ class InvalidRequest(EngineError, ValueError):
 
 
 class EngineFailed(EngineError):
-    """The generation thread died while this request was in flight; the engine restarts itself."""
+    """The generation thread died while this request was in flight (or the library failed this request alone);
+    the engine restarts itself. `implicated` says whether this request may have caused it: every request in a
+    failed step is, unless a suspect (`EngineRequest.suspect`) was running, which then takes the blame alone."""
 
     code = "engine_failed"
     retryable = True
+
+    def __init__(self, message: str, *, implicated: bool = True) -> None:
+        super().__init__(message)
+        self.implicated = implicated
 
 
 class EngineClosed(EngineError):

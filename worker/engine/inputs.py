@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from client.protocol import MAX_NEW_TOKENS, MAX_TEMPERATURE, MAX_TOP_K
 from worker.engine.errors import InvalidRequest
 from worker.engine.types import EngineRequest, SamplingParams
 
@@ -19,6 +20,7 @@ class PreparedRequest:
     prompt_ids: list[int]
     params: SamplingParams  # on a resume, `max_new_tokens` is what is left to generate
     prompt_tokens: int  # the caller's prompt alone
+    suspect: bool = False  # see `EngineRequest.suspect`
 
     @property
     def max_tokens(self) -> int:
@@ -50,14 +52,13 @@ class InputProcessor:
             raise InvalidRequest("the prompt is empty")
         self._check_length(len(prompt_ids), request.params.max_new_tokens)
         if request.resume is None:
-            return PreparedRequest(request.request_id, prompt_ids, request.params, len(prompt_ids))
+            return PreparedRequest(request.request_id, prompt_ids, request.params, len(prompt_ids), request.suspect)
         delivered = self._check_ids(request.resume.token_ids)
         left = request.params.max_new_tokens - len(delivered)
         if left < 1:
             raise InvalidRequest("the resumed request has nothing left to generate")
-        return PreparedRequest(
-            request.request_id, prompt_ids + delivered, replace(request.params, max_new_tokens=left), len(prompt_ids)
-        )
+        params = replace(request.params, max_new_tokens=left)
+        return PreparedRequest(request.request_id, prompt_ids + delivered, params, len(prompt_ids), request.suspect)
 
     def _tokenize(self, request: EngineRequest) -> list[int]:
         if request.input_ids is not None:
@@ -112,7 +113,8 @@ class InputProcessor:
 
 
 def check_params(params: SamplingParams) -> None:
-    """Types and ranges of the sampling parameters; the library checks types only, and only inside its thread."""
+    """Types and ranges of the sampling parameters (the protocol's `BOUNDS`): the library checks types only, and
+    only inside its thread, where a value it cannot run kills every request in flight."""
 
     def is_int(value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
@@ -120,13 +122,13 @@ def check_params(params: SamplingParams) -> None:
     def is_real(value: Any) -> bool:
         return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
-    if not is_int(params.max_new_tokens) or params.max_new_tokens < 1:
-        raise InvalidRequest(f"max_new_tokens must be an integer >= 1, got {params.max_new_tokens!r}")
-    if not is_real(params.temperature) or params.temperature < 0:
-        raise InvalidRequest(f"temperature must be a number >= 0, got {params.temperature!r}")
+    if not is_int(params.max_new_tokens) or not 1 <= params.max_new_tokens <= MAX_NEW_TOKENS:
+        raise InvalidRequest(f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS}], got {params.max_new_tokens}")
+    if not is_real(params.temperature) or not 0 <= params.temperature <= MAX_TEMPERATURE:
+        raise InvalidRequest(f"temperature must be a number in [0, {MAX_TEMPERATURE}], got {params.temperature!r}")
     if not is_real(params.top_p) or not 0 < params.top_p <= 1:
         raise InvalidRequest(f"top_p must be a number in (0, 1], got {params.top_p!r}")
-    if not is_int(params.top_k) or params.top_k < 0:
-        raise InvalidRequest(f"top_k must be an integer >= 0, got {params.top_k!r}")
+    if not is_int(params.top_k) or not 0 <= params.top_k <= MAX_TOP_K:
+        raise InvalidRequest(f"top_k must be an integer in [0, {MAX_TOP_K}], got {params.top_k!r}")
     if not all(isinstance(s, str) and s for s in params.stop):
         raise InvalidRequest("stop must be a list of non-empty strings")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from client.protocol import GREEDY_BELOW_TEMPERATURE
+
 
 class FinishReason(StrEnum):
     EOS = "eos"
@@ -15,7 +17,8 @@ class FinishReason(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Per-request decoding settings. `temperature == 0` (or `top_k == 1`) means greedy."""
+    """Per-request decoding settings. A temperature under `GREEDY_BELOW_TEMPERATURE` (or `top_k == 1`) is greedy:
+    float32 sampling cannot divide logits by it."""
 
     max_new_tokens: int = 256
     temperature: float = 1.0
@@ -26,7 +29,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +50,12 @@ class EngineRequest:
     input_ids: list[int] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
     resume: Resume | None = None
+    # Implicated in an earlier engine failure: the engine runs at most one suspect at a time, next to any number
+    # of other requests, so a failure with a suspect in it points at that suspect and at no other suspect.
+    suspect: bool = False
 
     def __repr__(self) -> str:  # prompts and ids stay out of logs
-        return f"EngineRequest(request_id={self.request_id!r}, params={self.params!r})"
+        return f"EngineRequest(request_id={self.request_id!r}, params={self.params!r}, suspect={self.suspect})"
 
 
 @dataclass(slots=True)
