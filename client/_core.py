@@ -21,12 +21,14 @@ from client.errors import Cancelled, QueueFull, ResultTimeout, error_from_event
 from client.protocol import (
     CONSUMER_GROUP,
     ENTRY_FIELD,
+    MAX_EPOCH_MS,
     MAX_RESULT_TTL_S,
     PROTOCOL_VERSION,
     DoneEvent,
     ErrorEvent,
     FinishReason,
     GenerateRequest,
+    InvalidRequest,
     Keys,
     MalformedEntry,
     RequestLimits,
@@ -96,7 +98,9 @@ def deadline_ms(deadline: float | timedelta | datetime | None, now_ms: int) -> i
     if isinstance(seconds, bool) or not isinstance(seconds, int | float):
         raise TypeError(f"deadline must be seconds, a timedelta or a datetime, not {type(deadline).__name__}")
     if not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(f"a relative deadline must be a positive number of seconds, got {seconds}")
+        raise InvalidRequest(f"a relative deadline must be a positive number of seconds, got {seconds}")
+    if seconds * 1000 > MAX_EPOCH_MS - now_ms:
+        raise InvalidRequest(f"deadline: {seconds} s from now is past the largest deadline (epoch ms {MAX_EPOCH_MS})")
     return now_ms + math.ceil(seconds * 1000)
 
 

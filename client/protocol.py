@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from client.errors import ErrorCode, LLMQError
 
@@ -234,6 +234,16 @@ class _Wire(BaseModel):
             yield name, (_Size(value) if name in self._hidden and value is not None else value)
 
 
+def _utf8(text: str) -> str:
+    """Python strings may hold lone surrogates, which no UTF-8 encoder takes: refuse them where they enter."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError("strings must be valid UTF-8 (this one holds a lone surrogate)") from None
+    return text
+
+
+_Text = Annotated[str, AfterValidator(_utf8)]
 _EpochMs = Annotated[int, Field(strict=True, ge=0, le=MAX_EPOCH_MS)]
 _TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN_ID)]
 
@@ -245,15 +255,15 @@ class SamplingParams(_Wire):
     temperature: Annotated[float, Field(strict=True, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)] = 1.0
     top_p: Annotated[float, Field(strict=True, gt=0, le=1, allow_inf_nan=False)] = 1.0
     top_k: Annotated[int, Field(strict=True, ge=0, le=MAX_TOP_K)] = 0
-    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
+    stop: list[Annotated[_Text, Field(min_length=1)]] = Field(default_factory=list)
     seed: Annotated[int, Field(strict=True, ge=MIN_SEED, le=MAX_SEED)] | None = None
     ignore_eos: Annotated[bool, Field(strict=True)] = False
 
 
 class ChatMessage(_Wire):
     _hidden = frozenset({"content"})
-    role: Annotated[str, Field(min_length=1)]
-    content: str
+    role: Annotated[_Text, Field(min_length=1)]
+    content: _Text
 
 
 @dataclass(frozen=True)
@@ -271,7 +281,7 @@ class GenerateRequest(_Wire):
     _hidden = frozenset({"prompt", "messages", "input_ids"})
     v: _Version = PROTOCOL_VERSION
     id: Annotated[str, Field(pattern=f"^{_NAME_CHARS}$")]
-    prompt: Annotated[str, Field(min_length=1)] | None = None
+    prompt: Annotated[_Text, Field(min_length=1)] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     input_ids: Annotated[list[_TokenId], Field(min_length=1)] | None = None
     params: SamplingParams = Field(default_factory=SamplingParams)
@@ -410,12 +420,15 @@ def _valid_id(data: dict[Any, Any]) -> str | None:
 
 def _unpack(raw: bytes) -> dict[Any, Any]:
     """The entry's map with a supported `v`. Every error carries the request id when one can be read, also
-    from an entry with a bad string elsewhere or no usable `v`, so its reader can still be answered."""
+    from an entry with a bad string or an array for a map key elsewhere, or no usable `v`, so its reader can
+    still be answered."""
     try:
         data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     except UnicodeDecodeError:
-        raise MalformedEntry("a string is not valid UTF-8", _lossy_id(raw)) from None
-    except Exception as exc:  # msgpack raises a zoo of types (ValueError, TypeError, StackError...)
+        raise MalformedEntry("a string is not valid UTF-8", _salvage_id(raw)) from None
+    except TypeError:  # an array or a map as a map key: valid msgpack, no Python dict
+        raise MalformedEntry("a map key is an array or a map", _salvage_id(raw)) from None
+    except Exception as exc:  # msgpack raises a zoo of types (ValueError, StackError, ExtraData...)
         raise MalformedEntry(f"not msgpack ({type(exc).__name__})") from None
     if not isinstance(data, dict):
         raise MalformedEntry(f"expected a msgpack map, got {type(data).__name__}")
@@ -430,10 +443,17 @@ def _unpack(raw: bytes) -> dict[Any, Any]:
     return data
 
 
-def _lossy_id(raw: bytes) -> str | None:
-    """The id of an entry that has a string which is not UTF-8 somewhere (the id itself must be clean)."""
+def _salvage_id(raw: bytes) -> str | None:
+    """The id of an entry that strict decoding refused (a string that is not UTF-8, an unhashable map key):
+    decoded leniently, only to answer its reader. The id itself must still be valid."""
+
+    def lenient_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+        return {key if isinstance(key, str | int | float | bool | None) else repr(key): value for key, value in pairs}
+
     try:
-        data = msgpack.unpackb(raw, raw=False, strict_map_key=False, unicode_errors="replace")
+        data = msgpack.unpackb(
+            raw, raw=False, strict_map_key=False, unicode_errors="replace", object_pairs_hook=lenient_map
+        )
     except Exception:
         return None
     return _valid_id(data) if isinstance(data, dict) else None

@@ -60,19 +60,24 @@ local function publish(result, fence, attempt, ttl, event, seq, size, entry)
   return ok
 end
 local server_wide = {'OOM', 'READONLY', 'LOADING', 'BUSY', 'MASTERDOWN', 'NOREPLICAS', 'MISCONF', 'CLUSTERDOWN'}
-local written = {}
+local written, refused = {}, {}
 for i = 0, (#KEYS - 1) / 2 - 1 do
-  local a = 2 + 6 * i
-  local done, outcome = pcall(publish, KEYS[2 + 2 * i], KEYS[3 + 2 * i],
-    ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5])
-  if not done then
-    local message = type(outcome) == 'table' and outcome.err or tostring(outcome)
-    for _, prefix in ipairs(server_wide) do
-      if string.sub(message, 1, #prefix) == prefix then
-        return redis.error_reply(message)
+  local result, a = KEYS[2 + 2 * i], 2 + 6 * i
+  local outcome = refused[result]  -- a request refused once: its later events (and its ack) are not tried
+  if not outcome then
+    local done
+    done, outcome = pcall(publish, result, KEYS[3 + 2 * i],
+      ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5])
+    if not done then
+      local message = type(outcome) == 'table' and outcome.err or tostring(outcome)
+      for _, prefix in ipairs(server_wide) do
+        if string.sub(message, 1, #prefix) == prefix then
+          return redis.error_reply(message)
+        end
       end
+      outcome = message
+      refused[result] = message
     end
-    outcome = message
   end
   written[i + 1] = outcome
 end

@@ -177,6 +177,9 @@ def test_deadline_ms() -> None:
         deadline_ms(-1, now)
     with pytest.raises(TypeError):
         deadline_ms(True, now)  # type: ignore[arg-type]
+    for absurd in (float("inf"), float("nan"), 1.7976931348623157e308, 1e300):
+        with pytest.raises(InvalidRequest, match="deadline"):
+            deadline_ms(absurd, now)
 
 
 @pytest.mark.parametrize(

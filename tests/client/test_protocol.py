@@ -33,6 +33,7 @@ from client.protocol import (
     decode_worker,
     encode,
     ms_now,
+    parse_request,
 )
 
 
@@ -307,3 +308,17 @@ def test_random_maps_raise_only_protocol_errors(fields: dict[str, Any], version:
     for decode in (decode_request, decode_event, decode_worker):
         with contextlib.suppress(ProtocolError):
             decode(raw)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"prompt": "a\udcff"},
+        {"messages": [{"role": "user", "content": "a\udcff"}]},
+        {"messages": [{"role": "\udcff", "content": "a"}]},
+        {"prompt": "a", "params": {"stop": ["\udcff"]}},
+    ],
+)
+def test_strings_that_are_not_utf8_are_invalid(fields: dict) -> None:
+    with pytest.raises(InvalidRequest, match="UTF-8"):
+        parse_request({"v": 1, "id": "x", "submitted": 1, **fields})

@@ -279,3 +279,60 @@ async def test_outputs_of_ended_requests_do_not_pile_up(llama_dir: Path, make_en
         engine.cancel(f"c{i}")
     await asyncio.sleep(0.5)  # the library's last outputs for them arrive, and the watchdog clears them
     assert engine._manager.output_router.output_queue.qsize() == 0
+
+
+async def test_suspects_run_one_at_a_time_beside_other_requests(llama_dir: Path, make_engine: Any) -> None:
+    engine = await make_engine(llama_dir, max_running=16)
+    suspects = [
+        engine.submit(EngineRequest(f"s{i}", input_ids=[3 + i, 4, 5], params=greedy(12, ignore_eos=True), suspect=True))
+        for i in range(3)
+    ]
+    others = [
+        engine.submit(EngineRequest(f"o{i}", input_ids=[6 + i, 4, 5], params=greedy(12, ignore_eos=True)))
+        for i in range(3)
+    ]
+    stats = engine.stats()
+    assert (stats.running, stats.waiting) == (4, 2)  # one suspect and every other request
+    assert engine.free_slots() == 16 - 6  # waiting suspects hold their slots: a worker does not hoard them
+    outputs = await asyncio.gather(*(collect(s) for s in suspects + others))
+    assert [len(tokens_of(o)) for o in outputs] == [12] * 6
+
+
+async def test_closing_during_a_restart_leaves_no_engine_thread(llama_dir: Path) -> None:
+    import threading
+    import time
+
+    from worker.engine.core import Engine, EngineConfig
+
+    model, tokenizer = load(llama_dir)
+    engine = await Engine(model, tokenizer, EngineConfig(kv_cache_tokens=1024, page_size=16)).start()
+    start_manager = engine._start_manager
+    starting, restarted = threading.Event(), threading.Event()
+
+    def slow_start() -> None:
+        starting.set()
+        time.sleep(0.5)  # the restart is still building its manager when the engine closes
+        try:
+            start_manager()
+        finally:
+            restarted.set()
+
+    engine._start_manager = slow_start  # type: ignore[method-assign]
+    original_forward = model.forward
+
+    def broken_forward(*args: Any, **kwargs: Any) -> Any:
+        model.forward = original_forward
+        raise RuntimeError("simulated device fault")
+
+    model.forward = broken_forward
+    with pytest.raises(EngineFailed):
+        await collect(engine.submit(EngineRequest("victim", input_ids=[3, 4], params=greedy(5))))
+    await wait_for(starting.is_set)
+    await engine.close()
+
+    def generation_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if "_run_generation_loop" in t.name and t.is_alive()]
+
+    await wait_for(restarted.is_set)
+    await wait_for(lambda: not generation_threads())
+    assert engine._manager is None

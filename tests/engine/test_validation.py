@@ -37,6 +37,12 @@ BAD_REQUESTS = {
     ),
     "top_p zero": (EngineRequest("x", input_ids=[3], params=SamplingParams(top_p=0.0)), "top_p"),
     "top_k negative": (EngineRequest("x", input_ids=[3], params=SamplingParams(top_k=-1)), "top_k"),
+    "top_k over int32": (EngineRequest("x", input_ids=[3], params=SamplingParams(top_k=2**31)), "top_k"),
+    "temperature too high": (EngineRequest("x", input_ids=[3], params=SamplingParams(temperature=1e3)), "temperature"),
+    "max tokens absurd": (
+        EngineRequest("x", input_ids=[3], params=SamplingParams(max_new_tokens=2**40)),
+        "max_new_tokens",
+    ),
     "empty stop": (EngineRequest("x", input_ids=[3], params=SamplingParams(stop=("",))), "stop"),
     "bad messages": (EngineRequest("x", messages=[{"role": "user"}], params=greedy(4)), "content"),
 }
@@ -72,3 +78,34 @@ async def test_model_without_chat_template(llama_dir: Path, make_engine: Any) ->
     engine = await make_engine(llama_dir, model, tokenizer)
     with pytest.raises(InvalidRequest, match="chat template"):
         engine.submit(EngineRequest("x", messages=[{"role": "user", "content": "hi"}], params=greedy(4)))
+
+
+# Values at the protocol's bounds: each once killed the library's thread, or would have.
+AT_THE_BOUNDS = {
+    "denormal temperature": SamplingParams(max_new_tokens=8, temperature=5e-324),
+    "tiny temperature": SamplingParams(max_new_tokens=8, temperature=1e-300),
+    "just under greedy": SamplingParams(max_new_tokens=8, temperature=0.0099),
+    "smallest sampled": SamplingParams(max_new_tokens=8, temperature=0.01),
+    "largest temperature": SamplingParams(max_new_tokens=8, temperature=100.0),
+    "largest top_k": SamplingParams(max_new_tokens=8, temperature=1.0, top_k=2**31 - 1),
+    "denormal top_p": SamplingParams(max_new_tokens=8, temperature=1.0, top_p=5e-324),
+    "tiny top_p, tiny temperature": SamplingParams(max_new_tokens=8, temperature=0.01, top_p=1e-300, top_k=1),
+    "all at their edges": SamplingParams(max_new_tokens=8, temperature=100.0, top_p=5e-324, top_k=2**31 - 1),
+}
+
+
+async def test_values_at_the_bounds_run_in_one_batch_without_killing_the_engine(
+    llama_dir: Path, make_engine: Any
+) -> None:
+    engine = await make_engine(llama_dir)
+    reference = tokens_of(await collect(engine.submit(EngineRequest("ref", input_ids=[3, 4, 5], params=greedy(8)))))
+    streams = {
+        name: engine.submit(EngineRequest(f"edge{i}", input_ids=[3, 4, 5], params=params))
+        for i, (name, params) in enumerate(AT_THE_BOUNDS.items())
+    }
+    outputs = dict(zip(streams, await asyncio.gather(*(collect(s) for s in streams.values())), strict=True))
+    for name, output in outputs.items():
+        assert 1 <= len(tokens_of(output)) <= 8, name
+    for name in ("denormal temperature", "tiny temperature", "just under greedy"):
+        assert tokens_of(outputs[name]) == reference, f"{name} must decode greedily"
+    assert engine.stats().restarts == 0

@@ -17,12 +17,13 @@ import msgpack
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from client import AsyncClient
+from client import AsyncClient, AsyncJob, LLMQError, RequestFailed
 from client.protocol import ENTRY_FIELD, Keys, decode_event, ms_now
 from worker.embedded_redis import RedisServer
 from worker.engine import Engine, EngineConfig, EngineRequest, LoadOptions, SamplingParams, load_model
 
 KEYS = Keys("default")
+ENGINE_DIED = "Error in generation loop"  # transformers' log line when its generation thread dies
 WORKER_FLAGS = {
     "--kv-cache-tokens": 4096,
     "--page-size": 16,
@@ -42,8 +43,13 @@ WORKER_FLAGS = {
 
 @dataclass
 class Cluster:
+    """`module` runs each worker (`tests.poison` adds the test-only engine killer); `flags` override
+    `WORKER_FLAGS`."""
+
     root: Path
     model_dir: Path
+    module: str = "worker"
+    flags: dict[str, object] = field(default_factory=dict)
     server: RedisServer = field(init=False)
     workers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
@@ -55,13 +61,13 @@ class Cluster:
         return self.server.url
 
     def start_worker(self, name: str) -> None:
-        flags = [str(part) for pair in WORKER_FLAGS.items() for part in pair]
+        flags = [str(part) for pair in {**WORKER_FLAGS, **self.flags}.items() for part in pair]
         log = (self.root / f"{name}.log").open("ab")
         self.workers[name] = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
-                "worker",
+                self.module,
                 "--redis-url",
                 self.url,
                 "--model",
@@ -101,6 +107,13 @@ class Cluster:
         """Stops Redis (it writes its AOF on the way down) and starts it again on the same port and files."""
         self.server.stop()
         self.server.start()
+
+    def log(self, name: str) -> str:
+        return (self.root / f"{name}.log").read_text(errors="replace")
+
+    def engine_failures(self) -> int:
+        """Engine thread deaths in every worker's log (the library logs each one, as an error)."""
+        return sum(path.read_text(errors="replace").count(ENGINE_DIED) for path in self.root.glob("*.log"))
 
     def alive(self) -> list[str]:
         return [name for name, process in self.workers.items() if process.poll() is None]
@@ -203,6 +216,46 @@ def malformed_entries(count: int, seed: int) -> list[bytes]:
     return [rng.choice(makers)() for _ in range(count)]
 
 
+def hostile_entries(count: int, killer_top_p: float | None) -> list[tuple[str, bytes]]:
+    """(request id, raw entry) of `count` hostile requests, cycling through kinds that each once stalled a
+    worker or went unanswered: values past the library's or Redis' bounds, broken versions and encodings,
+    and (with `killer_top_p`, for `tests.poison` workers) a request that kills the engine thread."""
+
+    def request(rid: str, **fields: object) -> dict[str, object]:
+        base: dict[str, object] = {"v": 1, "id": rid, "input_ids": [3, 4, 5], "submitted": ms_now()}
+        return {**base, "params": {"max_new_tokens": 8, "temperature": 0.0}, **fields}
+
+    kinds: list[tuple[str, object]] = [
+        ("top-k-int32", {"params": {"max_new_tokens": 8, "temperature": 1.0, "top_k": 2**31}}),
+        ("ttl-past-expire", {"result_ttl": 2**62}),
+        ("no-version", {"v": None}),
+        ("string-version", {"v": "1"}),
+        ("not-utf8", {"prompt": "bad \udcff", "input_ids": None}),
+        ("nan-temperature", {"params": {"temperature": float("nan")}}),
+        ("inf-temperature", {"params": {"temperature": float("inf")}}),
+        ("deadline-past-int64", {"deadline": 2**63 - 1}),
+        ("id-past-int32", {"input_ids": [2**40]}),
+        ("id-past-vocab", {"input_ids": [3, 100_000]}),
+        ("over-context", {"input_ids": [3] * 600}),
+        ("huge-max-new-tokens", {"params": {"max_new_tokens": 2**40}}),
+        ("params-a-list", {"params": [1, 2]}),
+        ("future-version", {"v": 2}),
+        ("too-many-stops", {"params": {"max_new_tokens": 8, "stop": ["x"] * 100}}),
+        ("content-not-text", {"messages": [{"role": "user", "content": 5}], "input_ids": None}),
+    ]
+    if killer_top_p is not None:
+        kinds.append(("engine-killer", {"params": {"max_new_tokens": 8, "temperature": 1.0, "top_p": killer_top_p}}))
+    entries = []
+    for index in range(count):
+        kind, fields = kinds[index % len(kinds)]
+        rid = f"hostile-{kind}-{index}"
+        body = {k: v for k, v in request(rid, **fields).items() if v is not None or k == "v"}
+        if body.get("v") is None:
+            del body["v"]
+        entries.append((rid, msgpack.packb(body, unicode_errors="surrogateescape")))
+    return entries
+
+
 @dataclass
 class FaultReport:
     requests: int = 0
@@ -219,37 +272,57 @@ class FaultReport:
     unbounded_keys: int = 0
     requests_left: int = 0
     dead_letters: int = 0
+    poison_sent: int = 0
+    poison_answered: int = 0  # a typed error within 30 s
+    engine_restarts: int = 0
+    stuck_workers: int = 0  # did not exit 0 by themselves on SIGTERM
     exit_codes: dict[str, int] = field(default_factory=dict)
 
 
-async def run_faults(cluster: Cluster, *, requests: int, faults: list[str], malformed: int, seed: int) -> FaultReport:
+async def run_faults(
+    cluster: Cluster,
+    *,
+    requests: int,
+    faults: list[str],
+    malformed: int,
+    seed: int,
+    hostile: list[tuple[str, bytes]] | None = None,
+) -> FaultReport:
     """Streams `requests` greedy requests through the cluster's workers while injecting `faults` (each one of
-    kill, stop, term, redis) at random moments and interleaving `malformed` bad entries; then checks."""
+    kill, stop, term, redis) at random moments and interleaving `malformed` bad entries and `hostile`
+    requests (each must be answered with a typed error within 30 s); then checks."""
     import random
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(2, 40))] for _ in range(requests)]
     lengths = [rng.randint(60, 160) for _ in range(requests)]
     expected = await expected_outputs(cluster.model_dir, prompts, lengths)
-    report = FaultReport(requests=requests, malformed=malformed)
+    hostile = list(hostile or [])
+    report = FaultReport(requests=requests, malformed=malformed, poison_sent=len(hostile))
     bad = malformed_entries(malformed, seed)
+    answers = []
     # One blocking XREAD per request in flight: the pool must hold them all.
     async with (
-        AsyncClient(cluster.url, max_queue_len=0, max_connections=requests + 16) as client,
+        AsyncClient(cluster.url, max_queue_len=0, max_connections=requests + len(hostile) + 16) as client,
         Redis.from_url(cluster.url) as redis,
     ):
         await wait_for_workers(client, len(cluster.workers))
         jobs = []
         per_request = max(1, len(bad) // max(1, requests))
-        for prompt, length in zip(prompts, lengths, strict=True):
+        every = max(1, requests // max(1, len(hostile)))
+        for index, (prompt, length) in enumerate(zip(prompts, lengths, strict=True)):
             jobs.append(await client.submit(input_ids=prompt, max_new_tokens=length, temperature=0, ignore_eos=True))
             for _ in range(per_request):
                 if bad:
                     await redis.xadd(KEYS.requests, {ENTRY_FIELD: bad.pop()})
+            if hostile and index % every == 0:
+                answers.append(asyncio.create_task(_typed_error_in_time(client, redis, *hostile.pop())))
         for entry in bad:
             await redis.xadd(KEYS.requests, {ENTRY_FIELD: entry})
+        answers += [asyncio.create_task(_typed_error_in_time(client, redis, *entry)) for entry in hostile]
         injector = asyncio.create_task(_inject(cluster, faults, rng, report, client))
         results = await asyncio.gather(*(job.result(timeout=300) for job in jobs), return_exceptions=True)
+        report.poison_answered = sum(await asyncio.gather(*answers))
         await injector
         report.completed = sum(1 for r in results if not isinstance(r, BaseException))
         report.lost = requests - report.completed
@@ -268,7 +341,21 @@ async def run_faults(cluster: Cluster, *, requests: int, faults: list[str], malf
         report.dead_letters = await redis.xlen(KEYS.dead)
         report.unbounded_keys = len(await unbounded_keys(redis))
     report.exit_codes.update(cluster.stop())
+    report.stuck_workers = sum(code != 0 for code in report.exit_codes.values())
+    report.engine_restarts = cluster.engine_failures()
     return report
+
+
+async def _typed_error_in_time(client: AsyncClient, redis: Redis, request_id: str, raw: bytes) -> bool:
+    """Adds a hostile entry; True when its reader gets a typed error (an `error` event) within 30 s."""
+    await redis.xadd(KEYS.requests, {ENTRY_FIELD: raw})
+    try:
+        await AsyncJob.attach(client, request_id).result(timeout=30)
+    except RequestFailed:
+        return True
+    except (LLMQError, RedisError):
+        return False
+    return False
 
 
 async def _restart(cluster: Cluster, name: str, client: AsyncClient) -> None:

@@ -79,6 +79,12 @@ def test_invalid_requests_are_answered_with_an_error(fields: dict, code: ErrorCo
     assert isinstance(decision, Rejected) and decision.code == code and decision.request_id == "req-1"
 
 
+def test_an_array_for_a_map_key_is_answered_when_the_id_is_readable() -> None:
+    raw = msgpack.packb(valid()).replace(b"\x85", b"\x86", 1) + msgpack.packb([1, 2]) + msgpack.packb("x")
+    decision = decide(b"1-0", entry(raw), LIMITS)
+    assert isinstance(decision, Rejected) and decision.request_id == "req-1" and "map key" in decision.message
+
+
 @pytest.mark.parametrize("where", ["prompt", "stop", "key"])
 def test_a_string_that_is_not_utf8_is_answered_when_the_id_is_readable(where: str) -> None:
     bad = "x\udcff"  # packs as the byte 0xff, which no UTF-8 string holds

@@ -10,7 +10,7 @@ import pytest
 from redis.asyncio import Redis
 
 from client import AsyncClient, AsyncJob, RequestExpired, RequestFailed
-from client.protocol import CONSUMER_GROUP, Keys, decode_event, ms_now
+from client.protocol import CONSUMER_GROUP, Keys, decode_event, decode_request, ms_now
 from worker.engine import EngineRequest, SamplingParams
 
 KEYS = Keys("default")
@@ -155,7 +155,8 @@ async def test_request_claimed_too_often_goes_to_the_dead_letters(
     async with Redis.from_url(redis_url) as redis:
         await redis.xgroup_create(KEYS.requests, CONSUMER_GROUP, id="0", mkstream=True)
         await redis.xreadgroup(CONSUMER_GROUP, "ghost", {KEYS.requests: ">"})  # a worker that then died
-        await start_worker(lease_timeout_s=0.3, claim_interval_s=0.1, max_deliveries=1)
+        await redis.hset(KEYS.fence(job.id), "h", 100)  # handed back 100 times: beyond the forgiven ones, they count
+        await start_worker(lease_timeout_s=0.3, claim_interval_s=0.1, max_deliveries=1, max_hand_backs=0)
         with pytest.raises(RequestFailed) as failure:
             await job.result(timeout=30)
         assert failure.value.code == "delivery_limit"
@@ -175,13 +176,17 @@ async def test_dead_workers_request_is_claimed_and_resumed(
     await running.task
     job = await client.submit(input_ids=[3, 4, 5], max_new_tokens=12, temperature=0)
     async with Redis.from_url(redis_url) as redis:
-        (entry_id, _), *_ = (await redis.xreadgroup(CONSUMER_GROUP, "ghost", {KEYS.requests: ">"}))[0][1]
-        await redis.hset(KEYS.fence(job.id), mapping={"a": 1, "n": 4})
+        (entry_id, fields), *_ = (await redis.xreadgroup(CONSUMER_GROUP, "ghost", {KEYS.requests: ">"}))[0][1]
+        submitted = decode_request(fields[b"m"]).submitted
+        first_start, first_token = submitted + 100, submitted + 300  # what the dead worker recorded
+        await redis.hset(KEYS.fence(job.id), mapping={"a": 1, "n": 4, "s": first_start})
         event = {"v": 1, "type": "tokens", "seq": 0, "ids": expected[:4], "text": "partial"}
-        await redis.xadd(KEYS.result(job.id), {b"m": msgpack.packb(event)})
+        await redis.xadd(KEYS.result(job.id), {b"m": msgpack.packb(event)}, id=f"{first_token}-0")
         await start_worker(lease_timeout_s=0.3, claim_interval_s=0.1)
         result = await job.result(timeout=30)
         assert result.token_ids == expected
+        # Timings describe the whole request: the first attempt's start and first token, not the resumed one's.
+        assert (result.timings.queue_ms, result.timings.ttft_ms) == (100, 300)
         assert await redis.hget(KEYS.fence(job.id), "a") == b"2"  # the claim raised the attempt
         events = [decode_event(f[b"m"]) for _, f in await redis.xrange(KEYS.result(job.id))]
         seqs = [e.seq for e in events if e.type == "tokens"]
