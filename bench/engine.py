@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from bench.workload import Job, load_bench_model, make_workload, peak_rss_mb, print_json
-from worker.engine import Engine, EngineConfig, EngineRequest, SamplingParams
+from worker.engine import Engine, EngineConfig, EngineRequest, GenerationParams
 
 
 async def run_engine(
@@ -70,8 +70,8 @@ def _report(label: str, seconds: float, useful: int) -> None:
     print(f"{label:<12} {seconds:7.2f} s  {useful / seconds:8.1f} useful tok/s   peak RSS {peak_rss_mb():.0f} MB")
 
 
-def _greedy(max_new_tokens: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True)
+def _greedy(max_new_tokens: int) -> GenerationParams:
+    return GenerationParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True)
 
 
 async def _drain(stream: Any) -> list[int]:

@@ -58,13 +58,13 @@ class ScriptedEngine:
         return stream
 
     async def _steps(self) -> None:
-        from worker.engine import Delta, FinishReason
+        from worker.engine import Finish, OutputDelta
 
         while True:
             await asyncio.sleep(self._step_s)
             for request_id, (stream, left) in list(self._running.items()):
                 done = left == 1
-                stream.put(Delta(request_id, [7], "x", FinishReason.LENGTH if done else None, 1))
+                stream.put(OutputDelta(request_id, [7], "x", Finish.LENGTH if done else None, 1))
                 if done:
                     del self._running[request_id]
                 else:

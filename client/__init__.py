@@ -16,15 +16,18 @@ from client._core import Delta, QueueStatus, Result
 from client.aio import AsyncClient, AsyncJob
 from client.errors import (
     Cancelled,
-    ErrorCode,
+    InvalidRequest,
+    LimitExceeded,
     LLMQError,
+    MalformedEntry,
+    ProtocolError,
     QueueFull,
     RequestExpired,
     RequestFailed,
     ResultTimeout,
-    error_from_event,
+    UnsupportedVersion,
 )
-from client.protocol import InvalidRequest, LimitExceeded, MalformedEntry, ProtocolError, UnsupportedVersion
+from client.protocol import ErrorCode, error_from_event
 from client.sync import Client, Job
 
 __all__ = [

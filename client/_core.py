@@ -17,7 +17,7 @@ from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from client.errors import Cancelled, QueueFull, ResultTimeout, error_from_event
+from client.errors import Cancelled, InvalidRequest, MalformedEntry, QueueFull, ResultTimeout
 from client.protocol import (
     CONSUMER_GROUP,
     ENTRY_FIELD,
@@ -28,9 +28,7 @@ from client.protocol import (
     ErrorEvent,
     FinishReason,
     GenerateRequest,
-    InvalidRequest,
     Keys,
-    MalformedEntry,
     RequestLimits,
     Timings,
     TokensEvent,
@@ -39,6 +37,7 @@ from client.protocol import (
     decode_event,
     decode_worker,
     encode,
+    error_from_event,
     is_valid_id,
     ms_now,
     parse_request,

@@ -13,7 +13,7 @@ from redis.exceptions import RedisError
 
 from client._core import DEFAULT_URL, QueueStatus, redact_url
 from client.errors import Cancelled, LLMQError
-from client.protocol import DEFAULT_PREFIX, ms_now
+from client.protocol import DEFAULT_PREFIX, SamplingParams, ms_now
 from client.sync import Client, Job
 
 
@@ -31,10 +31,11 @@ def _parser() -> argparse.ArgumentParser:
 
     submit = commands.add_parser("submit", parents=[common], help="generate from a prompt")
     submit.add_argument("prompt")
-    submit.add_argument("--max-new-tokens", type=int, default=256)
-    submit.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    submit.add_argument("--top-p", type=float, default=1.0)
-    submit.add_argument("--top-k", type=int, default=0, help="0 = off")
+    defaults = SamplingParams()
+    submit.add_argument("--max-new-tokens", type=int, help=f"default {defaults.max_new_tokens}")
+    submit.add_argument("--temperature", type=float, help=f"0 = greedy (default {defaults.temperature})")
+    submit.add_argument("--top-p", type=float, help=f"default {defaults.top_p}")
+    submit.add_argument("--top-k", type=int, help=f"0 = off (default {defaults.top_k})")
     submit.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     submit.add_argument("--seed", type=int, default=None)
     submit.add_argument("--deadline", type=float, default=None, help="seconds from now")

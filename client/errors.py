@@ -1,8 +1,9 @@
-"""Typed errors raised by the llmq client.
+"""Every exception the llmq client raises, in one place (wire error codes are `client.protocol.ErrorCode`).
 
 Catch `LLMQError` for everything the library raises itself (Redis' own errors pass through unwrapped).
-Terminal `error` events arrive as an `ErrorCode` on the wire and become the class mapped to that code;
-a code this client does not know becomes the root `RequestFailed`, so newer workers stay readable.
+Terminal `error` events arrive as an `ErrorCode` on the wire and become the class mapped to that code
+(`client.protocol.error_from_event`); a code this client does not know becomes the root `RequestFailed`, so
+newer workers stay readable.
 
 Our exception hierarchy:
 
@@ -12,33 +13,18 @@ Our exception hierarchy:
   | + RequestExpired           - its deadline passed before a worker got to it.
   + Cancelled                  - it was cancelled; `.result` holds the partial output.
   + ResultTimeout              - (also a `TimeoutError`) no terminal event within the caller's timeout.
-  + protocol.ProtocolError     - (also a `ValueError`) bytes or fields that break the wire protocol.
-    + protocol.MalformedEntry     - not msgpack, not a map, or no usable `v`/`id`.
-    + protocol.UnsupportedVersion - `v` is not this client's `PROTOCOL_VERSION`.
-    + protocol.InvalidRequest     - a request that fails validation or `RequestLimits`.
-      + protocol.LimitExceeded    - names the limit in `.limit`.
+  + ProtocolError              - (also a `ValueError`) bytes or fields that break the wire protocol.
+    + MalformedEntry           - not msgpack, not a map, or no usable `v`/`id`.
+    + UnsupportedVersion       - `v` is not this client's `PROTOCOL_VERSION`.
+    + InvalidRequest           - a request that fails validation or `RequestLimits`.
+      + LimitExceeded          - names the limit in `.limit`.
+
+This module imports nothing from the package, so every other module can import it.
 """
 
 from __future__ import annotations
 
-from enum import StrEnum
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from client._core import Result
-    from client.protocol import ErrorEvent
-
-
-class ErrorCode(StrEnum):
-    """Why a request failed, as carried by an `error` event (re-exported by `client.protocol`)."""
-
-    INVALID_REQUEST = "invalid_request"
-    EXPIRED = "expired"
-    UNSUPPORTED_VERSION = "unsupported_version"
-    ENGINE_FAILED = "engine_failed"
-    POISON_REQUEST = "poison_request"  # implicated in repeated engine failures; quarantined, never run again
-    DELIVERY_LIMIT = "delivery_limit"
-    INTERNAL = "internal"
+from typing import Any, Protocol
 
 
 class LLMQError(Exception):
@@ -65,11 +51,17 @@ class RequestExpired(RequestFailed):
     """The deadline passed before a worker started the request."""
 
 
+class _PartialResult(Protocol):
+    request_id: str
+    token_ids: list[int]
+
+
 class Cancelled(LLMQError):
     """`result()` was asked of a request that finished as `cancelled`; `result` is what was generated."""
 
-    def __init__(self, result: Result) -> None:
-        super().__init__(f"request {result.request_id!r} was cancelled after {len(result.token_ids)} tokens")
+    def __init__(self, result: Any) -> None:
+        partial: _PartialResult = result
+        super().__init__(f"request {partial.request_id!r} was cancelled after {len(partial.token_ids)} tokens")
         self.result = result
 
 
@@ -84,10 +76,30 @@ class ResultTimeout(LLMQError, TimeoutError):
         self.tokens_seen = tokens_seen
 
 
-_BY_CODE: dict[str, type[RequestFailed]] = {ErrorCode.EXPIRED: RequestExpired}
+class ProtocolError(LLMQError, ValueError):
+    """Bytes or fields that break the protocol; `request_id` is set when the entry named a valid one."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
-def error_from_event(event: ErrorEvent, request_id: str | None = None) -> RequestFailed:
-    """The exception for a terminal `error` event; unknown codes map to `RequestFailed` itself."""
-    cls = _BY_CODE.get(str(event.code), RequestFailed)
-    return cls(str(event.code), event.message, event.retryable, request_id)
+class MalformedEntry(ProtocolError):
+    """Not msgpack, not a map, no usable `v`, a string that is not UTF-8, or no valid `id`. A request whose id
+    could still be read is raised as `InvalidRequest` instead, so its reader gets an answer."""
+
+
+class UnsupportedVersion(ProtocolError):
+    """`v` is not `PROTOCOL_VERSION`."""
+
+
+class InvalidRequest(ProtocolError):
+    """A request that fails schema validation (types, ranges, unknown fields) or `RequestLimits`."""
+
+
+class LimitExceeded(InvalidRequest):
+    """A request over one of `RequestLimits`; `limit` is the field name, e.g. `max_prompt_bytes`."""
+
+    def __init__(self, limit: str, message: str, request_id: str | None = None) -> None:
+        super().__init__(message, request_id)
+        self.limit = limit

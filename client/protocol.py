@@ -11,16 +11,25 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgpack
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-from client.errors import ErrorCode, LLMQError
+from client.errors import (
+    InvalidRequest,
+    LimitExceeded,
+    MalformedEntry,
+    RequestExpired,
+    RequestFailed,
+    UnsupportedVersion,
+)
 
 __all__ = [
     "BOUNDS",
     "CONSUMER_GROUP",
+    "DEFAULT_MAX_NEW_TOKENS",
     "DEFAULT_PREFIX",
     "ENTRY_FIELD",
     "GREEDY_BELOW_TEMPERATURE",
@@ -41,22 +50,18 @@ __all__ = [
     "Event",
     "FinishReason",
     "GenerateRequest",
-    "InvalidRequest",
     "Keys",
-    "LimitExceeded",
-    "MalformedEntry",
-    "ProtocolError",
     "RequestLimits",
     "SamplingParams",
     "Timings",
     "TokensEvent",
-    "UnsupportedVersion",
     "Usage",
     "WorkerInfo",
     "decode_event",
     "decode_request",
     "decode_worker",
     "encode",
+    "error_from_event",
     "is_valid_id",
     "ms_now",
     "parse_request",
@@ -80,6 +85,7 @@ _I64_MAX = 2**63 - 1  # msgpack carries 64-bit integers; bounding every count ke
 # milliseconds) accepts; `RequestLimits` are the narrower, configurable limits inside them.
 
 MAX_TOKEN_ID = 2**31 - 1  # the library holds token ids in int32 tensors; workers also check their vocabulary
+DEFAULT_MAX_NEW_TOKENS = 256
 MAX_NEW_TOKENS = 2**20  # absolute; a worker's `RequestLimits.max_new_tokens` (default 8192) is usually lower
 MAX_TEMPERATURE = 100.0  # beyond it every distribution is uniform anyway
 # Sampling divides float32 logits by the temperature: below about 1e-3 that overflows to inf/NaN, and long
@@ -120,36 +126,19 @@ def ms_now() -> int:
     return time.time_ns() // 1_000_000
 
 
-# --- errors -------------------------------------------------------------------------------------
+# --- error codes ---------------------------------------------------------------------------------
 
 
-class ProtocolError(LLMQError, ValueError):
-    """Bytes or fields that break the protocol; `request_id` is set when the entry named a valid one."""
+class ErrorCode(StrEnum):
+    """Why a request failed, as carried by an `error` event."""
 
-    def __init__(self, message: str, request_id: str | None = None) -> None:
-        super().__init__(message)
-        self.request_id = request_id
-
-
-class MalformedEntry(ProtocolError):
-    """Not msgpack, not a map, no usable `v`, a string that is not UTF-8, or no valid `id`. A request whose id
-    could still be read is raised as `InvalidRequest` instead, so its reader gets an answer."""
-
-
-class UnsupportedVersion(ProtocolError):
-    """`v` is not `PROTOCOL_VERSION`."""
-
-
-class InvalidRequest(ProtocolError):
-    """A request that fails schema validation (types, ranges, unknown fields) or `RequestLimits`."""
-
-
-class LimitExceeded(InvalidRequest):
-    """A request over one of `RequestLimits`; `limit` is the field name, e.g. `max_prompt_bytes`."""
-
-    def __init__(self, limit: str, message: str, request_id: str | None = None) -> None:
-        super().__init__(message, request_id)
-        self.limit = limit
+    INVALID_REQUEST = "invalid_request"
+    EXPIRED = "expired"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    ENGINE_FAILED = "engine_failed"
+    POISON_REQUEST = "poison_request"  # implicated in repeated engine failures; quarantined, never run again
+    DELIVERY_LIMIT = "delivery_limit"
+    INTERNAL = "internal"
 
 
 # --- keys ---------------------------------------------------------------------------------------
@@ -251,7 +240,7 @@ _TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN_ID)]
 class SamplingParams(_Wire):
     """Decoding settings; ranges are `BOUNDS`."""
 
-    max_new_tokens: Annotated[int, Field(strict=True, ge=1, le=MAX_NEW_TOKENS)] = 256
+    max_new_tokens: Annotated[int, Field(strict=True, ge=1, le=MAX_NEW_TOKENS)] = DEFAULT_MAX_NEW_TOKENS
     temperature: Annotated[float, Field(strict=True, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)] = 1.0
     top_p: Annotated[float, Field(strict=True, gt=0, le=1, allow_inf_nan=False)] = 1.0
     top_k: Annotated[int, Field(strict=True, ge=0, le=MAX_TOP_K)] = 0
@@ -499,3 +488,12 @@ def decode_worker(raw: bytes) -> WorkerInfo:
         return WorkerInfo.model_validate(data)
     except ValidationError as exc:
         raise MalformedEntry(f"invalid worker info: {_summarize(exc)}") from None
+
+
+_FAILURES: dict[str, type[RequestFailed]] = {ErrorCode.EXPIRED: RequestExpired}
+
+
+def error_from_event(event: ErrorEvent, request_id: str | None = None) -> RequestFailed:
+    """The exception for a terminal `error` event; unknown codes map to `RequestFailed` itself."""
+    cls = _FAILURES.get(str(event.code), RequestFailed)
+    return cls(str(event.code), event.message, event.retryable, request_id)

@@ -91,20 +91,21 @@ class Client(BaseClient):
         *,
         messages: list[ChatMessage | dict[str, str]] | None = None,
         input_ids: list[int] | None = None,
-        max_new_tokens: int = 256,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
         stop: list[str] | None = None,
         seed: int | None = None,
-        ignore_eos: bool = False,
+        ignore_eos: bool | None = None,
         queue: str | None = None,
         deadline: float | timedelta | datetime | None = None,
         request_id: str | None = None,
     ) -> Job:
         """Queue one request (exactly one of `prompt`, `messages`, `input_ids`) and return its job.
 
-        Validation happens here, before Redis is touched (`InvalidRequest`, a ValueError). Submitting
+        Sampling parameters left at None take the wire defaults and ranges (`client.protocol.SamplingParams`,
+        `BOUNDS`). Validation happens here, before Redis is touched (`InvalidRequest`, a ValueError). Submitting
         an id again is a no-op that returns a job following the first submission. `deadline` is seconds
         from now, a timedelta or a datetime; past it, workers answer `expired` instead of generating.
         Raises `QueueFull` when the queue's backlog is at `max_queue_len`.

@@ -13,7 +13,10 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from client.protocol import DEFAULT_PREFIX, RequestLimits
+from client.protocol import DEFAULT_PREFIX, MAX_NEW_TOKENS, RequestLimits
+from worker.engine import EngineConfig
+
+_ENGINE = EngineConfig()  # the engine's sizing defaults are the settings' defaults
 
 
 def default_worker_id() -> str:
@@ -48,17 +51,23 @@ class Settings(BaseSettings):
     model_cache_dir: Path = Field(Path.home() / ".cache" / "llmq" / "models", description="converted GGUF models")
 
     # Engine sizing
-    kv_cache_tokens: int = Field(16384, ge=16, description="KV cache size in tokens (all requests together)")
-    page_size: int = Field(32, ge=4, description="tokens per KV cache block")
-    max_batch_tokens: int = Field(512, ge=1, description="tokens per forward step (prefill chunk budget)")
-    max_running: int = Field(32, ge=1, description="requests decoding at once; the intake reads no more")
-    prefix_sharing: bool = Field(False, description="share KV blocks of identical prompt prefixes")
+    kv_cache_tokens: int = Field(
+        _ENGINE.kv_cache_tokens, ge=16, description="KV cache size in tokens (all requests together)"
+    )
+    page_size: int = Field(_ENGINE.page_size, ge=4, description="tokens per KV cache block")
+    max_batch_tokens: int = Field(
+        _ENGINE.max_batch_tokens, ge=1, description="tokens per forward step (prefill chunk budget)"
+    )
+    max_running: int = Field(
+        _ENGINE.max_running, ge=1, description="requests decoding at once; the intake reads no more"
+    )
+    prefix_sharing: bool = Field(_ENGINE.prefix_sharing, description="share KV blocks of identical prompt prefixes")
     seed: int | None = Field(None, description="seed for sampling (per engine)")
 
     # Requests
     max_prompt_bytes: int = Field(RequestLimits.max_prompt_bytes, ge=1)
     max_input_ids: int = Field(RequestLimits.max_input_ids, ge=1)
-    max_new_tokens: int = Field(RequestLimits.max_new_tokens, ge=1)
+    max_new_tokens: int = Field(RequestLimits.max_new_tokens, ge=1, le=MAX_NEW_TOKENS)
     max_stop: int = Field(RequestLimits.max_stop, ge=0)
     max_stop_bytes: int = Field(RequestLimits.max_stop_bytes, ge=1)
 

@@ -13,18 +13,16 @@ import msgpack
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from client.errors import ErrorCode
+from client.errors import InvalidRequest, MalformedEntry, UnsupportedVersion
 from client.protocol import (
     CONSUMER_GROUP,
     ENTRY_FIELD,
     PROTOCOL_VERSION,
+    ErrorCode,
     GenerateRequest,
-    InvalidRequest,
     Keys,
-    MalformedEntry,
     RequestLimits,
     TokensEvent,
-    UnsupportedVersion,
     decode_event,
     decode_request,
     ms_now,

@@ -6,7 +6,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from client.protocol import DoneEvent, ErrorEvent, Timings, TokensEvent, Usage, ms_now
-from worker.engine import EngineClosed, EngineError, EngineFailed, FinishReason, RequestStream
+from worker.adapter import wire_error
+from worker.engine import EngineClosed, EngineError, EngineFailed, Finish, RequestStream
 from worker.intake import Ready
 from worker.metrics import Metrics
 from worker.publisher import Publisher, Target
@@ -47,6 +48,11 @@ class Relay:
         event = ErrorEvent(code=code, message=message, retryable=retryable)
         self._publisher.finish(self.target, event, seq=self.tokens)
 
+    def fail(self, error: EngineError) -> None:
+        """Ends the request with the wire error its engine error maps to."""
+        wire = wire_error(error)
+        self.error(wire.code, str(error), wire.retryable)
+
     async def run(self, stream: RequestStream, on_engine_failure: Callable[[Relay, bool], Awaitable[None]]) -> None:
         started_ms, first_ms, last_ms = ms_now(), None, None
         self._metrics.queue_time.observe(max(0.0, (started_ms - self.request.submitted) / 1000))
@@ -81,16 +87,16 @@ class Relay:
             )
             await on_engine_failure(self, error.implicated)
         except EngineError as error:
-            self.error(error.code, str(error), error.retryable)
+            self.fail(error)
 
 
 def finish_without_generating(relay: Relay, eos_token_ids: tuple[int, ...]) -> str | None:
     """The finish reason of a request whose earlier attempts already produced everything, else None."""
     request, delivered = relay.request, relay.ready.delivered_ids
     if relay.ready.cancelled:
-        return FinishReason.CANCELLED.value
+        return Finish.CANCELLED.value
     if delivered and not request.params.ignore_eos and delivered[-1] in eos_token_ids:
-        return FinishReason.EOS.value
+        return Finish.EOS.value
     if len(delivered) >= request.params.max_new_tokens:
-        return FinishReason.LENGTH.value
+        return Finish.LENGTH.value
     return None

@@ -17,26 +17,15 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from client._core import queue_status_commands, status_from_replies
-from client.errors import ErrorCode
-from client.protocol import (
-    CONSUMER_GROUP,
-    ErrorEvent,
-    GenerateRequest,
-    Keys,
-    WorkerInfo,
-    encode,
-    ms_now,
-)
+from client.protocol import CONSUMER_GROUP, ErrorCode, ErrorEvent, Keys, WorkerInfo, encode, ms_now
+from worker.adapter import engine_config, engine_request
 from worker.config import Settings
 from worker.engine import (
     Engine,
-    EngineConfig,
     EngineError,
-    EngineRequest,
     LoadOptions,
     RequestStream,
     Resume,
-    SamplingParams,
     load_model,
 )
 from worker.intake import Accepted, DeadLetter, Decision, Intake, Ready, Rejected
@@ -198,8 +187,8 @@ class Worker:
         try:
             stream = self.engine.submit(engine_request(request, resume, suspect=ready.engine_failures > 0))
         except EngineError as error:
-            self.log.info("rejected", request_id=request.id, code=error.code, reason=str(error))
-            relay.error(error.code, str(error), error.retryable)
+            self.log.info("rejected", request_id=request.id, reason=str(error))
+            relay.fail(error)
             return
         if resume is not None:
             self.log.info("resumed", request_id=request.id, delivered=len(resume.token_ids), attempt=ready.attempt)
@@ -386,37 +375,6 @@ class Worker:
             self.metrics.dead_letters.inc()
         except RedisError as error:  # its lease lapses and another worker meets the same refusal: bounded by deliveries
             self.log.warning("dead-lettering failed", entry=letter.entry_id.decode(), error=redact(str(error)))
-
-
-def engine_request(request: GenerateRequest, resume: Resume | None = None, *, suspect: bool = False) -> EngineRequest:
-    params = request.params
-    return EngineRequest(
-        request_id=request.id,
-        prompt=request.prompt,
-        messages=[m.model_dump() for m in request.messages] if request.messages is not None else None,
-        input_ids=request.input_ids,
-        params=SamplingParams(
-            max_new_tokens=params.max_new_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            stop=tuple(params.stop),
-            ignore_eos=params.ignore_eos,
-        ),
-        resume=resume,
-        suspect=suspect,
-    )
-
-
-def engine_config(settings: Settings) -> EngineConfig:
-    return EngineConfig(
-        kv_cache_tokens=settings.kv_cache_tokens,
-        page_size=settings.page_size,
-        max_batch_tokens=settings.max_batch_tokens,
-        max_running=settings.max_running,
-        prefix_sharing=settings.prefix_sharing,
-        seed=settings.seed,
-    )
 
 
 def connect(settings: Settings) -> Redis:

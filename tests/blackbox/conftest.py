@@ -20,9 +20,10 @@ from client import AsyncClient
 from client.protocol import Keys
 from tests.tiny_models import save_tiny_model
 from tests.worker.conftest import worker_settings
+from worker.adapter import engine_config
 from worker.embedded_redis import RedisServer
 from worker.engine import Engine, LoadOptions, load_model
-from worker.service import Worker, engine_config
+from worker.service import Worker
 
 T = TypeVar("T")
 

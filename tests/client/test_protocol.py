@@ -11,21 +11,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from client import LLMQError, protocol
+from client.errors import InvalidRequest, LimitExceeded, MalformedEntry, ProtocolError, UnsupportedVersion
 from client.protocol import (
     DoneEvent,
     ErrorCode,
     ErrorEvent,
     GenerateRequest,
-    InvalidRequest,
     Keys,
-    LimitExceeded,
-    MalformedEntry,
-    ProtocolError,
     RequestLimits,
     SamplingParams,
     Timings,
     TokensEvent,
-    UnsupportedVersion,
     Usage,
     WorkerInfo,
     decode_event,

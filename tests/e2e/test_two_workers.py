@@ -16,7 +16,7 @@ import pytest
 from client import AsyncClient, Client, QueueFull
 from tests.tiny_models import save_tiny_model
 from worker.embedded_redis import RedisServer
-from worker.engine import Engine, EngineConfig, EngineRequest, LoadOptions, SamplingParams, load_model
+from worker.engine import Engine, EngineConfig, EngineRequest, GenerationParams, LoadOptions, load_model
 
 pytestmark = pytest.mark.slow
 WORKER_FLAGS = [
@@ -86,12 +86,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
 async def engine_outputs(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     model, tokenizer = load_model(str(model_dir), LoadOptions(cache_dir=model_dir / "cache"))
     async with Engine(model, tokenizer, EngineConfig(kv_cache_tokens=4096, page_size=16)) as engine:
-        streams = [
-            engine.submit(
-                EngineRequest(f"e{i}", input_ids=p, params=SamplingParams(max_new_tokens=max_new_tokens, temperature=0))
-            )
-            for i, p in enumerate(prompts)
-        ]
+        greedy = GenerationParams(max_new_tokens=max_new_tokens, temperature=0)
+        streams = [engine.submit(EngineRequest(f"e{i}", input_ids=p, params=greedy)) for i, p in enumerate(prompts)]
         return [[t async for d in s for t in d.token_ids] for s in streams]
 
 

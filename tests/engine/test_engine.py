@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 from tests.engine.conftest import load, reference_greedy
-from worker.engine.errors import EngineFailed, InvalidRequest
-from worker.engine.types import Delta, EngineRequest, FinishReason, Resume, SamplingParams
+from worker.engine.errors import EngineFailed, RequestRejected
+from worker.engine.types import EngineRequest, Finish, GenerationParams, OutputDelta, Resume
 
 
-def greedy(max_new_tokens: int, **kwargs: Any) -> SamplingParams:
-    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0, **kwargs)
+def greedy(max_new_tokens: int, **kwargs: Any) -> GenerationParams:
+    return GenerationParams(max_new_tokens=max_new_tokens, temperature=0, **kwargs)
 
 
 def mixed_prompts(vocab: int, count: int = 16, seed: int = 1) -> list[tuple[list[int], int]]:
@@ -24,15 +24,15 @@ def mixed_prompts(vocab: int, count: int = 16, seed: int = 1) -> list[tuple[list
     return [([rng.randrange(3, vocab) for _ in range(rng.randint(1, 90))], rng.randint(1, 40)) for _ in range(count)]
 
 
-async def collect(stream: Any) -> list[Delta]:
+async def collect(stream: Any) -> list[OutputDelta]:
     return [delta async for delta in stream]
 
 
-def tokens_of(deltas: list[Delta]) -> list[int]:
+def tokens_of(deltas: list[OutputDelta]) -> list[int]:
     return [token for delta in deltas for token in delta.token_ids]
 
 
-def text_of(deltas: list[Delta]) -> str:
+def text_of(deltas: list[OutputDelta]) -> str:
     return "".join(delta.text for delta in deltas)
 
 
@@ -55,7 +55,7 @@ async def test_greedy_matches_generate(tiny_model_dir: Path, make_engine: Any, s
     for index, deltas in enumerate(results):
         assert tokens_of(deltas) == expected[index], f"request {index}"
         assert [d.finish_reason for d in deltas].count(None) == len(deltas) - 1
-        assert deltas[-1].finish_reason in (FinishReason.EOS, FinishReason.LENGTH)
+        assert deltas[-1].finish_reason in (Finish.EOS, Finish.LENGTH)
     assert engine.stats().decode_tokens >= sum(len(e) for e in expected) - len(expected)
 
 
@@ -66,7 +66,7 @@ async def test_sampled_and_greedy_share_a_batch(llama_dir: Path, make_engine: An
     sampled = [
         engine.submit(
             EngineRequest(
-                f"s{i}", input_ids=ids, params=SamplingParams(max_new_tokens=n, temperature=1.3, top_p=0.9, top_k=40)
+                f"s{i}", input_ids=ids, params=GenerationParams(max_new_tokens=n, temperature=1.3, top_p=0.9, top_k=40)
             )
         )
         for i, (ids, n) in enumerate(workload)
@@ -111,7 +111,7 @@ async def test_stop_string_ends_stream_without_it(llama_dir: Path, make_engine: 
         engine.submit(EngineRequest("stopped", input_ids=ids, params=greedy(30, stop=(stop, "never-seen"))))
     )
     assert text_of(deltas) == full[:cut]
-    assert deltas[-1].finish_reason == FinishReason.STOP
+    assert deltas[-1].finish_reason == Finish.STOP
     assert stop not in text_of(deltas)
 
 
@@ -130,9 +130,9 @@ async def test_max_tokens_and_eos(llama_dir: Path, make_engine: Any) -> None:
     engine = await make_engine(llama_dir, model, tokenizer)
     deltas = await collect(engine.submit(EngineRequest("eos", input_ids=ids, params=greedy(12))))
     assert tokens_of(deltas) == free_run[: free_run.index(free_run[4]) + 1]
-    assert deltas[-1].finish_reason == FinishReason.EOS
+    assert deltas[-1].finish_reason == Finish.EOS
     ignoring = await collect(engine.submit(EngineRequest("ignore", input_ids=ids, params=greedy(12, ignore_eos=True))))
-    assert tokens_of(ignoring) == free_run and ignoring[-1].finish_reason == FinishReason.LENGTH
+    assert tokens_of(ignoring) == free_run and ignoring[-1].finish_reason == Finish.LENGTH
 
 
 async def wait_for(predicate: Any) -> None:
@@ -150,7 +150,7 @@ async def test_cancel_mid_stream_frees_kv(llama_dir: Path, make_engine: Any) -> 
     await wait_for(lambda: engine.stats().kv_blocks_used > 0)
     assert engine.cancel("long")
     rest = await collect(stream)
-    assert rest[-1].finish_reason == FinishReason.CANCELLED
+    assert rest[-1].finish_reason == Finish.CANCELLED
     assert len(tokens_of([first, *rest])) < 500
     assert len(tokens_of(await collect(other))) == 10
     await wait_for(lambda: engine.stats().kv_blocks_used == 0 and engine.idle)
@@ -225,8 +225,8 @@ async def test_resume_continues_the_same_stream(llama_dir: Path, make_engine: An
     )
     assert delivered + tokens_of(resumed) == tokens
     assert delivered_text + text_of(resumed) == text
-    assert resumed[-1].prompt_tokens == len(ids) and resumed[-1].finish_reason == FinishReason.LENGTH
-    with pytest.raises(InvalidRequest, match="nothing left"):
+    assert resumed[-1].prompt_tokens == len(ids) and resumed[-1].finish_reason == Finish.LENGTH
+    with pytest.raises(RequestRejected, match="nothing left"):
         engine.submit(EngineRequest("done", input_ids=ids, params=greedy(7), resume=Resume(delivered, delivered_text)))
 
 

@@ -1,4 +1,4 @@
-"""Bad input never reaches the library's thread: each gets a clear `InvalidRequest`, and requests in flight
+"""Bad input never reaches the library's thread: each gets a clear `RequestRejected`, and requests in flight
 finish untouched."""
 
 from __future__ import annotations
@@ -11,8 +11,13 @@ import pytest
 
 from tests.engine.conftest import load
 from tests.engine.test_engine import collect, greedy, tokens_of
-from worker.engine.errors import InvalidRequest
-from worker.engine.types import EngineRequest, SamplingParams
+from worker.engine.errors import RequestRejected
+from worker.engine.types import EngineRequest, GenerationParams
+
+
+def with_params(**params: Any) -> EngineRequest:
+    return EngineRequest("x", input_ids=[3], params=GenerationParams(**params))
+
 
 BAD_REQUESTS = {
     "empty prompt": (EngineRequest("x", prompt="", params=greedy(4)), "empty"),
@@ -24,26 +29,26 @@ BAD_REQUESTS = {
     "no source": (EngineRequest("x", params=greedy(4)), "exactly one"),
     "over context": (EngineRequest("x", input_ids=[3] * 1000, params=greedy(100)), "context"),
     "over kv cache": (EngineRequest("x", input_ids=[3] * 200, params=greedy(500)), "KV cache"),
-    "zero max tokens": (EngineRequest("x", input_ids=[3], params=SamplingParams(max_new_tokens=0)), "max_new_tokens"),
+    "zero max tokens": (with_params(max_new_tokens=0), "max_new_tokens"),
     "bool max tokens": (
-        EngineRequest("x", input_ids=[3], params=SamplingParams(max_new_tokens=True)),
+        with_params(max_new_tokens=True),
         "max_new_tokens",
     ),
-    "negative temperature": (EngineRequest("x", input_ids=[3], params=SamplingParams(temperature=-0.5)), "temperature"),
-    "string temperature": (EngineRequest("x", input_ids=[3], params=SamplingParams(temperature="hot")), "temperature"),  # type: ignore[arg-type]
+    "negative temperature": (with_params(temperature=-0.5), "temperature"),
+    "string temperature": (with_params(temperature="hot"), "temperature"),  # type: ignore[arg-type]
     "nan temperature": (
-        EngineRequest("x", input_ids=[3], params=SamplingParams(temperature=float("nan"))),
+        with_params(temperature=float("nan")),
         "temperature",
     ),
-    "top_p zero": (EngineRequest("x", input_ids=[3], params=SamplingParams(top_p=0.0)), "top_p"),
-    "top_k negative": (EngineRequest("x", input_ids=[3], params=SamplingParams(top_k=-1)), "top_k"),
-    "top_k over int32": (EngineRequest("x", input_ids=[3], params=SamplingParams(top_k=2**31)), "top_k"),
-    "temperature too high": (EngineRequest("x", input_ids=[3], params=SamplingParams(temperature=1e3)), "temperature"),
+    "top_p zero": (with_params(top_p=0.0), "top_p"),
+    "top_k negative": (with_params(top_k=-1), "top_k"),
+    "top_k over int32": (with_params(top_k=2**31), "top_k"),
+    "temperature too high": (with_params(temperature=1e3), "temperature"),
     "max tokens absurd": (
-        EngineRequest("x", input_ids=[3], params=SamplingParams(max_new_tokens=2**40)),
+        with_params(max_new_tokens=2**40),
         "max_new_tokens",
     ),
-    "empty stop": (EngineRequest("x", input_ids=[3], params=SamplingParams(stop=("",))), "stop"),
+    "empty stop": (with_params(stop=("",)), "stop"),
     "bad messages": (EngineRequest("x", messages=[{"role": "user"}], params=greedy(4)), "content"),
 }
 
@@ -57,7 +62,7 @@ async def test_each_bad_input_is_rejected_and_in_flight_requests_survive(llama_d
     ]
     await asyncio.sleep(0.05)  # the good requests are decoding now
     for name, (request, message) in BAD_REQUESTS.items():
-        with pytest.raises(InvalidRequest, match=message):
+        with pytest.raises(RequestRejected, match=message):
             engine.submit(request)
         assert engine.stats().restarts == 0, name
     outputs = await asyncio.gather(*(collect(s) for s in good))
@@ -67,7 +72,7 @@ async def test_each_bad_input_is_rejected_and_in_flight_requests_survive(llama_d
 async def test_duplicate_request_id_is_rejected(llama_dir: Path, make_engine: Any) -> None:
     engine = await make_engine(llama_dir)
     stream = engine.submit(EngineRequest("same", input_ids=[3, 4], params=greedy(20)))
-    with pytest.raises(InvalidRequest, match="already"):
+    with pytest.raises(RequestRejected, match="already"):
         engine.submit(EngineRequest("same", input_ids=[3, 4], params=greedy(20)))
     assert (await collect(stream))[-1].finished
 
@@ -76,21 +81,21 @@ async def test_model_without_chat_template(llama_dir: Path, make_engine: Any) ->
     model, tokenizer = load(llama_dir)
     tokenizer.chat_template = None
     engine = await make_engine(llama_dir, model, tokenizer)
-    with pytest.raises(InvalidRequest, match="chat template"):
+    with pytest.raises(RequestRejected, match="chat template"):
         engine.submit(EngineRequest("x", messages=[{"role": "user", "content": "hi"}], params=greedy(4)))
 
 
 # Values at the protocol's bounds: each once killed the library's thread, or would have.
 AT_THE_BOUNDS = {
-    "denormal temperature": SamplingParams(max_new_tokens=8, temperature=5e-324),
-    "tiny temperature": SamplingParams(max_new_tokens=8, temperature=1e-300),
-    "just under greedy": SamplingParams(max_new_tokens=8, temperature=0.0099),
-    "smallest sampled": SamplingParams(max_new_tokens=8, temperature=0.01),
-    "largest temperature": SamplingParams(max_new_tokens=8, temperature=100.0),
-    "largest top_k": SamplingParams(max_new_tokens=8, temperature=1.0, top_k=2**31 - 1),
-    "denormal top_p": SamplingParams(max_new_tokens=8, temperature=1.0, top_p=5e-324),
-    "tiny top_p, tiny temperature": SamplingParams(max_new_tokens=8, temperature=0.01, top_p=1e-300, top_k=1),
-    "all at their edges": SamplingParams(max_new_tokens=8, temperature=100.0, top_p=5e-324, top_k=2**31 - 1),
+    "denormal temperature": GenerationParams(max_new_tokens=8, temperature=5e-324),
+    "tiny temperature": GenerationParams(max_new_tokens=8, temperature=1e-300),
+    "just under greedy": GenerationParams(max_new_tokens=8, temperature=0.0099),
+    "smallest sampled": GenerationParams(max_new_tokens=8, temperature=0.01),
+    "largest temperature": GenerationParams(max_new_tokens=8, temperature=100.0),
+    "largest top_k": GenerationParams(max_new_tokens=8, temperature=1.0, top_k=2**31 - 1),
+    "denormal top_p": GenerationParams(max_new_tokens=8, temperature=1.0, top_p=5e-324),
+    "tiny top_p, tiny temperature": GenerationParams(max_new_tokens=8, temperature=0.01, top_p=1e-300, top_k=1),
+    "all at their edges": GenerationParams(max_new_tokens=8, temperature=100.0, top_p=5e-324, top_k=2**31 - 1),
 }
 
 

@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 from client import AsyncClient, AsyncJob, LLMQError, RequestFailed
 from client.protocol import ENTRY_FIELD, Keys, decode_event, ms_now
 from worker.embedded_redis import RedisServer
-from worker.engine import Engine, EngineConfig, EngineRequest, LoadOptions, SamplingParams, load_model
+from worker.engine import Engine, EngineConfig, EngineRequest, GenerationParams, LoadOptions, load_model
 
 KEYS = Keys("default")
 ENGINE_DIED = "Error in generation loop"  # transformers' log line when its generation thread dies
@@ -143,7 +143,7 @@ async def expected_outputs(model_dir: Path, prompts: list[list[int]], max_new_to
         streams = [
             engine.submit(
                 EngineRequest(
-                    f"x{i}", input_ids=p, params=SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+                    f"x{i}", input_ids=p, params=GenerationParams(max_new_tokens=n, temperature=0, ignore_eos=True)
                 )
             )
             for i, (p, n) in enumerate(zip(prompts, max_new_tokens, strict=True))

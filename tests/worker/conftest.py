@@ -12,9 +12,10 @@ from redis.asyncio import Redis
 
 from client import AsyncClient
 from tests.tiny_models import save_tiny_model
+from worker.adapter import engine_config
 from worker.config import Settings
 from worker.engine import Engine, LoadOptions, load_model
-from worker.service import Worker, engine_config
+from worker.service import Worker
 
 
 @pytest.fixture(scope="session")

@@ -5,8 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from client.errors import ErrorCode
-from client.protocol import GenerateRequest, RequestLimits, encode, ms_now
+from client.protocol import ErrorCode, GenerateRequest, RequestLimits, encode, ms_now
 from worker.intake import Accepted, DeadLetter, Rejected, decide
 
 LIMITS = RequestLimits()
@@ -95,7 +94,7 @@ def test_a_string_that_is_not_utf8_is_answered_when_the_id_is_readable(where: st
 
 
 def test_a_tiny_temperature_is_accepted_and_decodes_greedily() -> None:
-    from worker.service import engine_request
+    from worker.adapter import engine_request
 
     decision = decide(b"1-0", entry(valid(params={"temperature": 1e-300})), LIMITS)
     assert isinstance(decision, Accepted)

@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 
 from client import AsyncClient, AsyncJob, RequestExpired, RequestFailed
 from client.protocol import CONSUMER_GROUP, Keys, decode_event, decode_request, ms_now
-from worker.engine import EngineRequest, SamplingParams
+from worker.engine import EngineRequest, GenerationParams
 
 KEYS = Keys("default")
 
@@ -22,7 +22,7 @@ async def engine_greedy(worker: Any, input_ids: list[int], max_new_tokens: int) 
         EngineRequest(
             f"direct-{len(input_ids)}-{max_new_tokens}",
             input_ids=input_ids,
-            params=SamplingParams(max_new_tokens=max_new_tokens, temperature=0),
+            params=GenerationParams(max_new_tokens=max_new_tokens, temperature=0),
         )
     )
     return [token async for delta in stream for token in delta.token_ids]

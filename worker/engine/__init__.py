@@ -1,14 +1,13 @@
 """The continuous-batching engine and model loading. Knows nothing of Redis."""
 
 from worker.engine.core import Engine, EngineConfig
-from worker.engine.errors import EngineClosed, EngineError, EngineFailed, InvalidRequest
+from worker.engine.errors import EngineClosed, EngineError, EngineFailed, RequestRejected
 from worker.engine.loader import DEFAULT_MODEL, LoadOptions, load_model
 from worker.engine.stream import RequestStream
-from worker.engine.types import Delta, EngineRequest, EngineStats, FinishReason, Resume, SamplingParams
+from worker.engine.types import EngineRequest, EngineStats, Finish, GenerationParams, OutputDelta, Resume
 
 __all__ = [
     "DEFAULT_MODEL",
-    "Delta",
     "Engine",
     "EngineClosed",
     "EngineConfig",
@@ -16,11 +15,12 @@ __all__ = [
     "EngineFailed",
     "EngineRequest",
     "EngineStats",
-    "FinishReason",
-    "InvalidRequest",
+    "Finish",
+    "GenerationParams",
     "LoadOptions",
+    "OutputDelta",
+    "RequestRejected",
     "RequestStream",
     "Resume",
-    "SamplingParams",
     "load_model",
 ]

@@ -29,12 +29,12 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 
 from worker.engine import attention, sampling
 from worker.engine.attention import supports_varlen
-from worker.engine.errors import EngineClosed, EngineError, EngineFailed, InvalidRequest
+from worker.engine.errors import EngineClosed, EngineError, EngineFailed, RequestRejected
 from worker.engine.inputs import InputProcessor, ModelLimits
 from worker.engine.outputs import IncrementalDetokenizer
 from worker.engine.stats import StepCounters
 from worker.engine.stream import RequestStream
-from worker.engine.types import Delta, EngineRequest, EngineStats, FinishReason, Resume, SamplingParams
+from worker.engine.types import EngineRequest, EngineStats, Finish, GenerationParams, OutputDelta, Resume
 
 _WATCHDOG_PERIOD_S = 0.1
 
@@ -46,7 +46,7 @@ class EngineConfig:
     kv_cache_tokens: int = 16384
     page_size: int = 32
     max_batch_tokens: int = 512
-    max_running: int = 64
+    max_running: int = 32
     prefix_sharing: bool = False
     seed: int | None = None
     varlen_attention: bool = True  # per-request attention instead of the library's dense masked SDPA
@@ -56,7 +56,7 @@ class EngineConfig:
 class Engine:
     """Continuous batching over one model. Use as `async with Engine(model, tokenizer, config) as engine:`.
 
-    `submit(request)` validates at once (raising `InvalidRequest`) and returns an async iterator of `Delta`;
+    `submit(request)` validates at once (raising `RequestRejected`) and returns an async iterator of `OutputDelta`;
     `cancel(id)` ends a stream with `cancelled`; `stats()` reports KV use, queue sizes and step counters.
     """
 
@@ -112,12 +112,12 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def submit(self, request: EngineRequest) -> RequestStream:
-        """Validates and queues a request. Raises `InvalidRequest` or `EngineClosed`; never fails other requests."""
+        """Validates and queues a request. Raises `RequestRejected` or `EngineClosed`; never fails other requests."""
         if self._closing or self._inputs is None:
             raise EngineClosed("the engine is not running")
         prepared = self._inputs.prepare(request)
         if self._find(prepared.request_id) is not None:
-            raise InvalidRequest(f"request {prepared.request_id!r} is already in this engine")
+            raise RequestRejected(f"request {prepared.request_id!r} is already in this engine")
         unread, carry_text = self._held_back(request.resume)
         stream = RequestStream(
             prepared,
@@ -154,8 +154,8 @@ class Engine:
             return False
         if stream.library_id in self._running and self._manager is not None:
             self._manager.cancel_request(stream.library_id)
-        stream.put(Delta(request_id, [], "", FinishReason.CANCELLED, stream.prompt_tokens))
-        self._end(stream, FinishReason.CANCELLED)
+        stream.put(OutputDelta(request_id, [], "", Finish.CANCELLED, stream.prompt_tokens))
+        self._end(stream, Finish.CANCELLED)
         return True
 
     def free_slots(self) -> int:
@@ -292,7 +292,7 @@ class Engine:
             **self._sampling_kwargs(params),
         }
 
-    def _sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+    def _sampling_kwargs(self, params: GenerationParams) -> dict[str, Any]:
         # The library samples every row; top_k=1 makes a row exactly greedy, so greedy and sampled
         # requests share one batch.
         if params.greedy:
@@ -321,13 +321,13 @@ class Engine:
         text, stop_hit = stream.stops.feed(text, final=finished)
         reason = None
         if stop_hit:
-            reason = FinishReason.STOP
+            reason = Finish.STOP
             if not finished and self._manager is not None:
                 self._manager.cancel_request(stream.library_id)
         elif finished:
             eos = not stream.request.params.ignore_eos and bool(tokens) and tokens[-1] in self.eos_token_ids
-            reason = FinishReason.EOS if eos else FinishReason.LENGTH
-        stream.put(Delta(stream.request_id, list(new_tokens), text, reason, stream.prompt_tokens))
+            reason = Finish.EOS if eos else Finish.LENGTH
+        stream.put(OutputDelta(stream.request_id, list(new_tokens), text, reason, stream.prompt_tokens))
         if reason is not None:
             self._end(stream, reason)
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from client.protocol import MAX_NEW_TOKENS, MAX_TEMPERATURE, MAX_TOP_K
-from worker.engine.errors import InvalidRequest
-from worker.engine.types import EngineRequest, SamplingParams
+from worker.engine.errors import RequestRejected
+from worker.engine.types import EngineRequest, GenerationParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,7 +18,7 @@ class PreparedRequest:
 
     request_id: str
     prompt_ids: list[int]
-    params: SamplingParams  # on a resume, `max_new_tokens` is what is left to generate
+    params: GenerationParams  # on a resume, `max_new_tokens` is what is left to generate
     prompt_tokens: int  # the caller's prompt alone
     suspect: bool = False  # see `EngineRequest.suspect`
 
@@ -36,7 +36,7 @@ class ModelLimits:
 
 
 class InputProcessor:
-    """Turns an `EngineRequest` into checked prompt ids, or raises `InvalidRequest` saying what is wrong."""
+    """Turns an `EngineRequest` into checked prompt ids, or raises `RequestRejected` saying what is wrong."""
 
     def __init__(self, tokenizer: Any, limits: ModelLimits) -> None:
         self._tokenizer = tokenizer
@@ -46,17 +46,17 @@ class InputProcessor:
         check_params(request.params)
         sources = [s for s in (request.prompt, request.messages, request.input_ids) if s is not None]
         if len(sources) != 1:
-            raise InvalidRequest("give exactly one of prompt, messages or input_ids")
+            raise RequestRejected("give exactly one of prompt, messages or input_ids")
         prompt_ids = self._tokenize(request)
         if not prompt_ids:
-            raise InvalidRequest("the prompt is empty")
+            raise RequestRejected("the prompt is empty")
         self._check_length(len(prompt_ids), request.params.max_new_tokens)
         if request.resume is None:
             return PreparedRequest(request.request_id, prompt_ids, request.params, len(prompt_ids), request.suspect)
         delivered = self._check_ids(request.resume.token_ids)
         left = request.params.max_new_tokens - len(delivered)
         if left < 1:
-            raise InvalidRequest("the resumed request has nothing left to generate")
+            raise RequestRejected("the resumed request has nothing left to generate")
         params = replace(request.params, max_new_tokens=left)
         return PreparedRequest(request.request_id, prompt_ids + delivered, params, len(prompt_ids), request.suspect)
 
@@ -66,53 +66,53 @@ class InputProcessor:
         if request.messages is not None:
             return self._render_chat(request.messages)
         if not isinstance(request.prompt, str):
-            raise InvalidRequest("prompt must be a string")
+            raise RequestRejected("prompt must be a string")
         if not request.prompt:
             return []
         return list(self._tokenizer(request.prompt, add_special_tokens=True)["input_ids"])
 
     def _check_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise InvalidRequest("input_ids must be a list of integers")
+            raise RequestRejected("input_ids must be a list of integers")
         vocab = self.limits.vocab_size
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
-            raise InvalidRequest(f"input_ids has {len(bad)} ids outside the vocabulary [0, {vocab}), e.g. {bad[0]}")
+            raise RequestRejected(f"input_ids has {len(bad)} ids outside the vocabulary [0, {vocab}), e.g. {bad[0]}")
         return list(ids)
 
     def _render_chat(self, messages: Any) -> list[int]:
         if not isinstance(messages, list) or not messages:
-            raise InvalidRequest("messages must be a non-empty list")
+            raise RequestRejected("messages must be a non-empty list")
         for message in messages:
             if (
                 not isinstance(message, dict)
                 or not isinstance(message.get("role"), str)
                 or not isinstance(message.get("content"), str)
             ):
-                raise InvalidRequest("each message needs a string role and a string content")
+                raise RequestRejected("each message needs a string role and a string content")
         if not getattr(self._tokenizer, "chat_template", None):
-            raise InvalidRequest("this model has no chat template: send a prompt or input_ids instead")
+            raise RequestRejected("this model has no chat template: send a prompt or input_ids instead")
         try:
             text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as error:  # a template may raise anything (jinja): it is still the caller's input
-            raise InvalidRequest(f"the chat template rejected the messages: {error}") from error
+            raise RequestRejected(f"the chat template rejected the messages: {error}") from error
         return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
         total = prompt_tokens + max_new_tokens
         if total > self.limits.max_context:
-            raise InvalidRequest(
+            raise RequestRejected(
                 f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
                 f"model's context of {self.limits.max_context} tokens"
             )
         if total > self.limits.max_cached_tokens:
-            raise InvalidRequest(
+            raise RequestRejected(
                 f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds this "
                 f"worker's KV cache of {self.limits.max_cached_tokens} tokens"
             )
 
 
-def check_params(params: SamplingParams) -> None:
+def check_params(params: GenerationParams) -> None:
     """Types and ranges of the sampling parameters (the protocol's `BOUNDS`): the library checks types only, and
     only inside its thread, where a value it cannot run kills every request in flight."""
 
@@ -123,12 +123,14 @@ def check_params(params: SamplingParams) -> None:
         return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
     if not is_int(params.max_new_tokens) or not 1 <= params.max_new_tokens <= MAX_NEW_TOKENS:
-        raise InvalidRequest(f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS}], got {params.max_new_tokens}")
+        raise RequestRejected(
+            f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS}], not {params.max_new_tokens}"
+        )
     if not is_real(params.temperature) or not 0 <= params.temperature <= MAX_TEMPERATURE:
-        raise InvalidRequest(f"temperature must be a number in [0, {MAX_TEMPERATURE}], got {params.temperature!r}")
+        raise RequestRejected(f"temperature must be a number in [0, {MAX_TEMPERATURE}], got {params.temperature!r}")
     if not is_real(params.top_p) or not 0 < params.top_p <= 1:
-        raise InvalidRequest(f"top_p must be a number in (0, 1], got {params.top_p!r}")
+        raise RequestRejected(f"top_p must be a number in (0, 1], got {params.top_p!r}")
     if not is_int(params.top_k) or not 0 <= params.top_k <= MAX_TOP_K:
-        raise InvalidRequest(f"top_k must be an integer in [0, {MAX_TOP_K}], got {params.top_k!r}")
+        raise RequestRejected(f"top_k must be an integer in [0, {MAX_TOP_K}], got {params.top_k!r}")
     if not all(isinstance(s, str) and s for s in params.stop):
-        raise InvalidRequest("stop must be a list of non-empty strings")
+        raise RequestRejected("stop must be a list of non-empty strings")

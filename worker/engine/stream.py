@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator
 from worker.engine.errors import EngineError
 from worker.engine.inputs import PreparedRequest
 from worker.engine.outputs import IncrementalDetokenizer, StopStringMatcher
-from worker.engine.types import Delta
+from worker.engine.types import OutputDelta
 
 
-class RequestStream(AsyncIterator[Delta]):
+class RequestStream(AsyncIterator[OutputDelta]):
     """Async iterator of one request's deltas; ends after the delta that carries the finish reason.
 
     `put` never blocks: when the reader is behind, deltas are merged (as vLLM's RequestOutputCollector
@@ -35,12 +35,12 @@ class RequestStream(AsyncIterator[Delta]):
         self.stops = StopStringMatcher(request.params.stop, pending=carry_text)
         self.tokens_seen = 0  # the library's outputs are cumulative: how many generated tokens we already took
         self.closed = False  # no more deltas will be put
-        self._pending: Delta | None = None
+        self._pending: OutputDelta | None = None
         self._error: EngineError | None = None
         self._ready = asyncio.Event()
         self._drained = False
 
-    def put(self, delta: Delta) -> None:
+    def put(self, delta: OutputDelta) -> None:
         if self.closed:
             return
         if self._pending is None:
@@ -62,7 +62,7 @@ class RequestStream(AsyncIterator[Delta]):
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> Delta:
+    async def __anext__(self) -> OutputDelta:
         if self._drained:
             raise StopAsyncIteration
         await self._ready.wait()

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from client.protocol import GREEDY_BELOW_TEMPERATURE
+from client.protocol import DEFAULT_MAX_NEW_TOKENS, GREEDY_BELOW_TEMPERATURE
 
 
-class FinishReason(StrEnum):
+class Finish(StrEnum):
     EOS = "eos"
     STOP = "stop"
     LENGTH = "length"
@@ -16,11 +16,11 @@ class FinishReason(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingParams:
+class GenerationParams:
     """Per-request decoding settings. A temperature under `GREEDY_BELOW_TEMPERATURE` (or `top_k == 1`) is greedy:
     float32 sampling cannot divide logits by it."""
 
-    max_new_tokens: int = 256
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -48,7 +48,7 @@ class EngineRequest:
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
     input_ids: list[int] | None = None
-    params: SamplingParams = field(default_factory=SamplingParams)
+    params: GenerationParams = field(default_factory=GenerationParams)
     resume: Resume | None = None
     # Implicated in an earlier engine failure: the engine runs at most one suspect at a time, next to any number
     # of other requests, so a failure with a suspect in it points at that suspect and at no other suspect.
@@ -59,7 +59,7 @@ class EngineRequest:
 
 
 @dataclass(slots=True)
-class Delta:
+class OutputDelta:
     """New output of one request since its previous delta. The last delta of a stream has `finish_reason` set.
 
     Concatenating every delta's `text` gives the full decoded output (stop string excluded), and
@@ -69,7 +69,7 @@ class Delta:
     request_id: str
     token_ids: list[int]
     text: str
-    finish_reason: FinishReason | None = None
+    finish_reason: Finish | None = None
     prompt_tokens: int = 0
 
     @property

@@ -1,0 +1,74 @@
+"""The one place where the wire meets the engine: a wire request becomes an `EngineRequest`, the worker's
+settings become an `EngineConfig`, and an engine error becomes a wire error code (as httpx maps httpcore's
+exceptions at its transport boundary). The engine knows nothing of the wire; the wire nothing of the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from client.protocol import ErrorCode, GenerateRequest
+from worker.config import Settings
+from worker.engine import (
+    EngineClosed,
+    EngineConfig,
+    EngineError,
+    EngineFailed,
+    EngineRequest,
+    GenerationParams,
+    RequestRejected,
+    Resume,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WireError:
+    code: ErrorCode
+    retryable: bool
+
+
+# Most specific first; every `EngineError` subclass has a row (a test checks).
+ERRORS: dict[type[EngineError], WireError] = {
+    RequestRejected: WireError(ErrorCode.INVALID_REQUEST, retryable=False),
+    EngineFailed: WireError(ErrorCode.ENGINE_FAILED, retryable=True),
+    EngineClosed: WireError(ErrorCode.ENGINE_FAILED, retryable=True),
+    EngineError: WireError(ErrorCode.INTERNAL, retryable=False),
+}
+
+
+def wire_error(error: EngineError) -> WireError:
+    """The code and retryability an engine error is reported with."""
+    for cls in type(error).__mro__:
+        if cls in ERRORS:
+            return ERRORS[cls]
+    return ERRORS[EngineError]
+
+
+def engine_request(request: GenerateRequest, resume: Resume | None = None, *, suspect: bool = False) -> EngineRequest:
+    params = request.params
+    return EngineRequest(
+        request_id=request.id,
+        prompt=request.prompt,
+        messages=[m.model_dump() for m in request.messages] if request.messages is not None else None,
+        input_ids=request.input_ids,
+        params=GenerationParams(
+            max_new_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            stop=tuple(params.stop),
+            ignore_eos=params.ignore_eos,
+        ),
+        resume=resume,
+        suspect=suspect,
+    )
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    return EngineConfig(
+        kv_cache_tokens=settings.kv_cache_tokens,
+        page_size=settings.page_size,
+        max_batch_tokens=settings.max_batch_tokens,
+        max_running=settings.max_running,
+        prefix_sharing=settings.prefix_sharing,
+        seed=settings.seed,
+    )
