@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from bench.workload import print_json
 from client import AsyncClient
-from client.protocol import Keys
+from client.store import Keys
 from worker.embedded_redis import RedisServer
 
 KEYS = Keys("default")

@@ -11,8 +11,8 @@
 This package never imports torch or transformers; `client.protocol` is the wire format both sides speak.
 """
 
-from client import protocol
-from client._core import Delta, QueueStatus, Result
+from client import protocol, store
+from client._core import Delta, Result
 from client.aio import AsyncClient, AsyncJob
 from client.errors import (
     Cancelled,
@@ -28,6 +28,7 @@ from client.errors import (
     UnsupportedVersion,
 )
 from client.protocol import ErrorCode, error_from_event
+from client.store import QueueStatus
 from client.sync import Client, Job
 
 __all__ = [
@@ -52,4 +53,5 @@ __all__ = [
     "UnsupportedVersion",
     "error_from_event",
     "protocol",
+    "store",
 ]

@@ -12,14 +12,13 @@ import math
 import time
 import uuid
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from client.errors import Cancelled, InvalidRequest, MalformedEntry, QueueFull, ResultTimeout
 from client.protocol import (
-    CONSUMER_GROUP,
     ENTRY_FIELD,
     MAX_EPOCH_MS,
     MAX_RESULT_TTL_S,
@@ -28,20 +27,18 @@ from client.protocol import (
     ErrorEvent,
     FinishReason,
     GenerateRequest,
-    Keys,
     RequestLimits,
     Timings,
     TokensEvent,
     Usage,
-    WorkerInfo,
     decode_event,
-    decode_worker,
     encode,
     error_from_event,
-    is_valid_id,
+    is_valid_name,
     ms_now,
     parse_request,
 )
+from client.store import SUBMIT_FULL, Keys, Scripts
 
 log = logging.getLogger("llmq.client")
 
@@ -50,22 +47,6 @@ BLOCK_S = 2.0  # per XREAD; stays under redis-py's default 5 s socket timeout
 RECONNECT_BUDGET_S = 30.0  # how long a reader keeps retrying a lost connection
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 2.0
-
-# Atomic check-and-add: a duplicate id adds nothing, a full backlog adds nothing (not even the marker).
-# Workers XDEL finished requests, so XLEN of the stream is the backlog.
-SUBMIT_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return 0
-end
-local limit = tonumber(ARGV[2])
-if limit > 0 and redis.call('XLEN', KEYS[2]) >= limit then
-  return -1
-end
-redis.call('SET', KEYS[1], 1, 'EX', ARGV[3])
-redis.call('XADD', KEYS[2], '*', 'm', ARGV[1])
-return 1
-"""
-SUBMIT_FULL = -1  # the script's other answers: 1 = added, 0 = duplicate id (nothing added)
 
 
 def redact_url(url: str) -> str:
@@ -269,83 +250,6 @@ class ResultReader:
         return delay
 
 
-@dataclass(frozen=True)
-class QueueStatus:
-    """A queue at a glance; `pending`/`lag` are None until a worker has created the consumer group."""
-
-    queue: str
-    depth: int
-    pending: int | None
-    lag: int | None
-    dead: int
-    workers: list[WorkerInfo] = field(default_factory=list)
-    oldest_pending_age_s: float | None = None  # how long the oldest unacknowledged request has been delivered
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "workers": [w.model_dump() for w in self.workers]}
-
-
-def _group_stats(groups: Any, group: bytes) -> tuple[int | None, int | None]:
-    if isinstance(groups, Exception):  # no stream yet: XINFO answers an error
-        return None, None
-    for info in groups:
-        name = info.get("name")
-        if (name.encode() if isinstance(name, str) else name) == group:
-            return info.get("pending"), info.get("lag")
-    return None, None
-
-
-def queue_status_commands(pipe: Any, keys: Keys) -> None:
-    """Queue on a pipeline the reads `status_from_replies` expects, in its order."""
-    pipe.xlen(keys.requests)
-    pipe.xinfo_groups(keys.requests)
-    pipe.xlen(keys.dead)
-    pipe.hgetall(keys.workers)
-    pipe.xpending(keys.requests, CONSUMER_GROUP)
-
-
-def queue_cancel_commands(pipe: Any, keys: Keys, request_id: str, ttl: int) -> None:
-    """Queue on a pipeline the cancel mark (for a worker that missed the message) and the message."""
-    pipe.set(keys.cancel(request_id), 1, ex=ttl)
-    pipe.publish(keys.cancel_channel, request_id)
-
-
-def status_from_replies(queue: str, replies: list[Any], stale_after_s: float) -> QueueStatus:
-    """Build `QueueStatus` from the replies to XLEN requests, XINFO GROUPS, XLEN dead, HGETALL workers, XPENDING."""
-    depth, groups, dead, workers_hash, pending_summary = replies
-    for reply in (depth, dead, workers_hash):
-        if isinstance(reply, Exception):
-            raise reply
-    pending, lag = _group_stats(groups, CONSUMER_GROUP.encode())
-    oldest = ms_now() - int(stale_after_s * 1000)
-    workers = []
-    for raw in workers_hash.values():
-        try:
-            info = decode_worker(raw)
-        except MalformedEntry:
-            continue
-        if info.heartbeat >= oldest:
-            workers.append(info)
-    workers.sort(key=lambda w: w.id)
-    return QueueStatus(
-        queue=queue,
-        depth=depth,
-        pending=pending,
-        lag=lag,
-        dead=dead,
-        workers=workers,
-        oldest_pending_age_s=_oldest_pending_age_s(pending_summary),
-    )
-
-
-def _oldest_pending_age_s(summary: Any) -> float | None:
-    """Age of the oldest delivered, unacknowledged entry, from its id's millisecond part."""
-    if isinstance(summary, Exception) or not summary or not summary.get("min"):
-        return None
-    oldest = summary["min"].decode() if isinstance(summary["min"], bytes) else summary["min"]
-    return max(0.0, (ms_now() - int(oldest.split("-")[0])) / 1000)
-
-
 class BaseClient:
     """Configuration and request building shared by both twins."""
 
@@ -376,7 +280,7 @@ class BaseClient:
         self.result_ttl = result_ttl
         self.limits = limits or RequestLimits()
         self.keys = Keys(queue, prefix)
-        self._submit_script = conn.register_script(SUBMIT_LUA)
+        self._scripts = Scripts.register(conn)
 
     def __repr__(self) -> str:
         where = redact_url(self._url) if self._url else "<redis client>"
@@ -417,7 +321,7 @@ class BaseClient:
         return request
 
     def submit_args(self, request: GenerateRequest, keys: Keys) -> tuple[list[str], list[Any]]:
-        """KEYS and ARGV of `SUBMIT_LUA`."""
+        """KEYS and ARGV of the `SUBMIT` script."""
         return [keys.submitted(request.id), keys.requests], [encode(request), self.max_queue_len, request.result_ttl]
 
     def check_submitted(self, outcome: int, keys: Keys) -> None:
@@ -429,7 +333,7 @@ class BaseJob:
     """State shared by `Job` and `AsyncJob`: the request id, its keys and the result reader."""
 
     def __init__(self, client: BaseClient, request_id: str, keys: Keys) -> None:
-        if not is_valid_id(request_id):
+        if not is_valid_name(request_id):
             raise ValueError(f"request id {request_id!r} must be 1-128 characters of [A-Za-z0-9._:-]")
         self._client = client
         self.id = request_id

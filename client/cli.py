@@ -11,9 +11,10 @@ from urllib.parse import urlsplit
 
 from redis.exceptions import RedisError
 
-from client._core import DEFAULT_URL, QueueStatus, redact_url
+from client._core import DEFAULT_URL, redact_url
 from client.errors import Cancelled, LLMQError
 from client.protocol import DEFAULT_PREFIX, SamplingParams, ms_now
+from client.store import QueueStatus
 from client.sync import Client, Job
 
 

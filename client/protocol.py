@@ -28,7 +28,6 @@ from client.errors import (
 
 __all__ = [
     "BOUNDS",
-    "CONSUMER_GROUP",
     "DEFAULT_MAX_NEW_TOKENS",
     "DEFAULT_PREFIX",
     "ENTRY_FIELD",
@@ -50,7 +49,6 @@ __all__ = [
     "Event",
     "FinishReason",
     "GenerateRequest",
-    "Keys",
     "RequestLimits",
     "SamplingParams",
     "Timings",
@@ -62,14 +60,13 @@ __all__ = [
     "decode_worker",
     "encode",
     "error_from_event",
-    "is_valid_id",
+    "is_valid_name",
     "ms_now",
     "parse_request",
 ]
 
 PROTOCOL_VERSION = 1
 DEFAULT_PREFIX = "llmq"
-CONSUMER_GROUP = "workers"
 ENTRY_FIELD = b"m"
 
 # Request ids, queue names and prefixes end up inside key names and hash tags: no braces, no spaces.
@@ -139,62 +136,6 @@ class ErrorCode(StrEnum):
     POISON_REQUEST = "poison_request"  # implicated in repeated engine failures; quarantined, never run again
     DELIVERY_LIMIT = "delivery_limit"
     INTERNAL = "internal"
-
-
-# --- keys ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Keys:
-    """Key names of one queue; all share the hash tag `{<prefix>:<queue>}`, so a queue is one shard."""
-
-    queue: str
-    prefix: str = DEFAULT_PREFIX
-
-    def __post_init__(self) -> None:
-        for what, name in (("queue", self.queue), ("prefix", self.prefix)):
-            if not _NAME.fullmatch(name):
-                raise ValueError(f"{what} {name!r} must be 1-128 characters of [A-Za-z0-9._:-]")
-
-    @property
-    def tag(self) -> str:
-        return f"{{{self.prefix}:{self.queue}}}"
-
-    @property
-    def requests(self) -> str:
-        """Stream of unfinished requests, read by consumer group `CONSUMER_GROUP`."""
-        return f"{self.tag}:requests"
-
-    @property
-    def dead(self) -> str:
-        """Stream of dead letters."""
-        return f"{self.tag}:dead"
-
-    @property
-    def cancel_channel(self) -> str:
-        """Pub/sub channel; each message is the id of a request to cancel."""
-        return f"{self.tag}:cancel"
-
-    @property
-    def workers(self) -> str:
-        """Hash: worker id -> msgpack `WorkerInfo`."""
-        return f"{self.tag}:workers"
-
-    def result(self, request_id: str) -> str:
-        """Stream of one request's events; every write refreshes its TTL."""
-        return f"{self.tag}:result:{request_id}"
-
-    def cancel(self, request_id: str) -> str:
-        """Cancel mark (with a TTL), for a worker that missed the pub/sub message."""
-        return f"{self.tag}:cancel:{request_id}"
-
-    def submitted(self, request_id: str) -> str:
-        """Idempotency marker set by the submit script; lives for the request's `result_ttl`."""
-        return f"{self.tag}:id:{request_id}"
-
-    def fence(self, request_id: str) -> str:
-        """Workers' hash: `a` = current attempt (raised on every claim), `n` = events' token count written."""
-        return f"{self.tag}:fence:{request_id}"
 
 
 # --- models -------------------------------------------------------------------------------------
@@ -397,14 +338,14 @@ def _summarize(exc: ValidationError, shown: int = 3) -> str:
     return ("; ".join(parts) + more)[:500]
 
 
-def is_valid_id(request_id: object) -> bool:
-    """Whether a request id may be used in key names: 1-128 characters of [A-Za-z0-9._:-]."""
-    return isinstance(request_id, str) and _NAME.fullmatch(request_id) is not None
+def is_valid_name(name: object) -> bool:
+    """Whether a request id, queue name or prefix may be used in key names: 1-128 of [A-Za-z0-9._:-]."""
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None
 
 
 def _valid_id(data: dict[Any, Any]) -> str | None:
     rid = data.get("id")
-    return rid if is_valid_id(rid) else None
+    return rid if is_valid_name(rid) else None
 
 
 def _unpack(raw: bytes) -> dict[Any, Any]:

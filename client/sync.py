@@ -15,19 +15,9 @@ from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from client._core import (
-    DEFAULT_URL,
-    BaseClient,
-    BaseJob,
-    Delta,
-    QueueStatus,
-    Result,
-    connect_kwargs,
-    queue_cancel_commands,
-    queue_status_commands,
-    status_from_replies,
-)
+from client._core import DEFAULT_URL, BaseClient, BaseJob, Delta, Result, connect_kwargs
 from client.protocol import DEFAULT_PREFIX, ChatMessage, RequestLimits
+from client.store import QueueStatus, queue_cancel_commands, queue_status_commands, status_from_replies
 
 _RECONNECTABLE = (RedisConnectionError, RedisTimeoutError)
 
@@ -128,7 +118,7 @@ class Client(BaseClient):
             },
         )
         script_keys, args = self.submit_args(request, keys)
-        self.check_submitted(self._submit_script(keys=script_keys, args=args), keys)
+        self.check_submitted(self._scripts.submit(keys=script_keys, args=args), keys)
         return Job(self, request.id, keys)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **options: Any) -> Result:

@@ -15,18 +15,17 @@ from redis.exceptions import ResponseError
 
 from client.errors import InvalidRequest, MalformedEntry, UnsupportedVersion
 from client.protocol import (
-    CONSUMER_GROUP,
     ENTRY_FIELD,
     PROTOCOL_VERSION,
     ErrorCode,
     GenerateRequest,
-    Keys,
     RequestLimits,
     TokensEvent,
     decode_event,
     decode_request,
     ms_now,
 )
+from client.store import CONSUMER_GROUP, Fence, Keys
 from worker.leases import Claimed
 
 
@@ -147,12 +146,12 @@ class Intake:
         async with self._redis.pipeline(transaction=False) as pipe:
             for item in accepted:
                 fence = self._keys.fence(item.request.id)
-                pipe.hincrby(fence, "a", 1)
-                pipe.hsetnx(fence, "s", now)
+                pipe.hincrby(fence, Fence.ATTEMPT, 1)
+                pipe.hsetnx(fence, Fence.STARTED, now)
                 pipe.expire(fence, item.request.result_ttl)
                 pipe.exists(self._keys.cancel(item.request.id))
                 pipe.xrange(self._keys.result(item.request.id))
-                pipe.hmget(fence, "h", "f", "s")
+                pipe.hmget(fence, Fence.HANDED_BACK, Fence.ENGINE_FAILURES, Fence.STARTED)
             replies = await pipe.execute(raise_on_error=False)
         ready, refused = [], []
         for index, item in enumerate(accepted):

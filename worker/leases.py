@@ -11,47 +11,9 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from client.protocol import CONSUMER_GROUP, Keys
+from client.store import CONSUMER_GROUP, Keys, Scripts
 
-# Returns the ids this consumer no longer owns (claimed by another worker, or acknowledged meanwhile).
-_RENEW = """
-local lost = {}
-for i = 3, #ARGV do
-  local entry = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if entry[1] and entry[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-  else
-    lost[#lost + 1] = ARGV[i]
-  end
-end
-return lost
-"""
-
-# Hands back only entries this consumer still owns: sets their idle time past any lease, so any worker's next
-# XAUTOCLAIM takes them, and counts the hand-back in the request's fence hash (`h`), so a request handed back
-# at every rolling restart does not run into the delivery limit; after an engine failure that implicated the
-# request it also counts that (`f`), which quarantines a request that keeps killing engines. KEYS: request
-# stream, then one fence hash per entry; ARGV: group, consumer, idle ms, 1 = engine failure, then the entry ids.
-# The fence writes are per request (pcall): a key Redis refuses fails that count, never the other hand-backs.
-_HAND_BACK = """
-local handed = 0
-for i = 5, #ARGV do
-  local entry = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if entry[1] and entry[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'JUSTID')
-    local fence = KEYS[i - 3]
-    if redis.pcall('EXISTS', fence) == 1 then
-      redis.pcall('HINCRBY', fence, 'h', 1)
-      if ARGV[4] == '1' then
-        redis.pcall('HINCRBY', fence, 'f', 1)
-      end
-    end
-    handed = handed + 1
-  end
-end
-return handed
-"""
-_HANDED_BACK_IDLE_MS = 365 * 24 * 3600 * 1000  # idle "for a year"
+_HANDED_BACK_IDLE_MS = 365 * 24 * 3600 * 1000  # idle "for a year": any worker's next XAUTOCLAIM takes it
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,20 +24,21 @@ class Claimed:
 
 
 class Leases:
-    def __init__(self, redis: Redis, keys: Keys, consumer: str, lease_timeout_s: float) -> None:
+    def __init__(
+        self, redis: Redis, keys: Keys, consumer: str, lease_timeout_s: float, scripts: Scripts | None = None
+    ) -> None:
         self._redis = redis
         self._keys = keys
         self._consumer = consumer
         self._lease_ms = int(lease_timeout_s * 1000)
-        self._renew = redis.register_script(_RENEW)
-        self._hand_back = redis.register_script(_HAND_BACK)
+        self._scripts = scripts or Scripts.register(redis)
         self._cursor: bytes | str = "0-0"
 
     async def renew(self, entry_ids: list[bytes]) -> set[bytes]:
         """Resets the idle time of the entries still ours; returns those we lost."""
         if not entry_ids:
             return set()
-        lost = await self._renew(keys=[self._keys.requests], args=[CONSUMER_GROUP, self._consumer, *entry_ids])
+        lost = await self._scripts.renew(keys=[self._keys.requests], args=[CONSUMER_GROUP, self._consumer, *entry_ids])
         return {_bytes(entry_id) for entry_id in lost}
 
     async def claim(self, count: int) -> list[Claimed]:
@@ -107,7 +70,7 @@ class Leases:
         keys = [self._keys.requests, *(self._keys.fence(request_id) for _, request_id in entries)]
         flag = int(engine_failure)
         args = [CONSUMER_GROUP, self._consumer, _HANDED_BACK_IDLE_MS, flag, *(entry_id for entry_id, _ in entries)]
-        return int(await self._hand_back(keys=keys, args=args))
+        return int(await self._scripts.hand_back(keys=keys, args=args))
 
 
 def _bytes(value: bytes | str) -> bytes:

@@ -25,64 +25,9 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from client.protocol import CONSUMER_GROUP, DoneEvent, ErrorEvent, Keys, TokensEvent, encode
+from client.protocol import DoneEvent, ErrorEvent, TokensEvent, encode
+from client.store import CONSUMER_GROUP, Keys, Scripts
 
-# One call per flush, whatever it carries: packing and parsing a command per event was most of a busy
-# worker's time. KEYS: the request stream, then per event its result stream and fence hash.
-# ARGV: the group, then per event: attempt ('' = unfenced), ttl, event ('' = none: acknowledge only),
-# seq, size, entry id to acknowledge ('' = none). Returns per event 1 (written or already there), 0 (fenced),
-# or the error Redis gave for that event's keys alone (pcall): one request's broken key fails that request,
-# never the batch. An error that concerns the whole server (out of memory, read-only replica, loading...) fails
-# the call instead, so the batch stays queued and is retried.
-_PUBLISH = """
-local function publish(result, fence, attempt, ttl, event, seq, size, entry)
-  local ok, write = 1, event ~= ''
-  if attempt ~= '' then
-    local current = redis.call('HMGET', fence, 'a', 'n')
-    if current[1] ~= attempt then
-      ok, write, entry = 0, false, ''
-    else
-      write = write and tonumber(seq) >= tonumber(current[2] or '0')
-      if write then
-        redis.call('HSET', fence, 'n', tonumber(seq) + tonumber(size))
-      end
-      redis.call('EXPIRE', fence, ttl)
-    end
-  end
-  if write then
-    redis.call('XADD', result, '*', 'm', event)
-    redis.call('EXPIRE', result, ttl)
-  end
-  if entry ~= '' then
-    redis.call('XACK', KEYS[1], ARGV[1], entry)
-    redis.call('XDEL', KEYS[1], entry)
-  end
-  return ok
-end
-local server_wide = {'OOM', 'READONLY', 'LOADING', 'BUSY', 'MASTERDOWN', 'NOREPLICAS', 'MISCONF', 'CLUSTERDOWN'}
-local written, refused = {}, {}
-for i = 0, (#KEYS - 1) / 2 - 1 do
-  local result, a = KEYS[2 + 2 * i], 2 + 6 * i
-  local outcome = refused[result]  -- a request refused once: its later events (and its ack) are not tried
-  if not outcome then
-    local done
-    done, outcome = pcall(publish, result, KEYS[3 + 2 * i],
-      ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5])
-    if not done then
-      local message = type(outcome) == 'table' and outcome.err or tostring(outcome)
-      for _, prefix in ipairs(server_wide) do
-        if string.sub(message, 1, #prefix) == prefix then
-          return redis.error_reply(message)
-        end
-      end
-      outcome = message
-      refused[result] = message
-    end
-  end
-  written[i + 1] = outcome
-end
-return written
-"""
 # Anything Redis says goes back in the queue: an outage, a restart still loading, and also an answer like
 # OOM under `noeviction` or READONLY after a failover, which clear once an operator acts.
 _RETRYABLE = (RedisError, OSError)
@@ -127,10 +72,11 @@ class Publisher:
         on_error: Callable[[Exception], None] | None = None,
         on_fenced: Callable[[str, int], None] | None = None,
         on_failed: Callable[[Target, str], None] | None = None,
+        scripts: Scripts | None = None,
     ) -> None:
         self._redis = redis
         self._keys = keys
-        self._publish = redis.register_script(_PUBLISH)
+        self._scripts = scripts or Scripts.register(redis)
         self._queue: list[_Pending] = []
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
@@ -207,7 +153,7 @@ class Publisher:
             attempt = "" if target.attempt is None else target.attempt
             ack = target.entry_id if item.final else b""
             args += [attempt, target.ttl_s, item.event, item.seq, item.size, ack]
-        return await self._publish(keys=keys, args=args)
+        return await self._scripts.publish(keys=keys, args=args)
 
     def _report(self, batch: list[_Pending], written: list[int | bytes]) -> None:
         self.stats.flushes += 1

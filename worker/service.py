@@ -16,8 +16,8 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from client._core import queue_status_commands, status_from_replies
-from client.protocol import CONSUMER_GROUP, ErrorCode, ErrorEvent, Keys, WorkerInfo, encode, ms_now
+from client.protocol import ErrorCode, ErrorEvent, WorkerInfo, encode, ms_now
+from client.store import CONSUMER_GROUP, Keys, queue_status_commands, status_from_replies
 from worker.adapter import engine_config, engine_request
 from worker.config import Settings
 from worker.engine import (
@@ -329,10 +329,8 @@ class Worker:
         replies = await pipe.execute(raise_on_error=False)
         status = status_from_replies(self.keys.queue, replies, stale_after_s=_STALE_WORKER_S)
         self.metrics.set_queue(status.depth, status.pending, status.lag)
-        live = {worker.id for worker in status.workers}
-        stale = [field for field in replies[3] if _text(field) not in live]
-        if stale:
-            await self.redis.hdel(self.keys.workers, *stale)
+        if status.stale_workers:
+            await self.redis.hdel(self.keys.workers, *status.stale_workers)
 
     def info(self) -> WorkerInfo:
         stats = self.engine.stats()

@@ -17,7 +17,7 @@ import pytest
 from redis.asyncio import Redis
 
 from client import AsyncClient
-from client.protocol import Keys
+from client.store import Keys
 from tests.tiny_models import save_tiny_model
 from tests.worker.conftest import worker_settings
 from worker.adapter import engine_config

@@ -32,7 +32,8 @@ from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 from client import AsyncClient, Client, InvalidRequest, LimitExceeded, RequestFailed, Result
-from client.protocol import BOUNDS, ENTRY_FIELD, DoneEvent, ErrorEvent, Keys, TokensEvent, decode_event, ms_now
+from client.protocol import BOUNDS, ENTRY_FIELD, DoneEvent, ErrorEvent, TokensEvent, decode_event, ms_now
+from client.store import Keys
 from tests.blackbox.conftest import CONTROL_IDS, CONTROL_TOKENS, MAX_POSITIONS, LiveWorker
 from tests.tiny_models import build_tokenizer
 

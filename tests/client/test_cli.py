@@ -11,7 +11,7 @@ import sys
 import pytest
 import redis.asyncio as aioredis
 
-from client import protocol
+from client import protocol, store
 from client.cli import main
 from tests.client.twins import KEYS, done, emit, tokens
 from worker.embedded_redis import free_port
@@ -97,6 +97,7 @@ async def test_status_json(redis_url: str, server: aioredis.Redis, capsys: pytes
         "dead": 1,
         "workers": [],
         "oldest_pending_age_s": None,
+        "stale_workers": [],
     }
 
 
@@ -138,7 +139,7 @@ async def test_status_text_lists_workers(
 
 async def test_cancel(redis_url: str, server: aioredis.Redis, capsys: pytest.CaptureFixture[str]) -> None:
     assert await asyncio.to_thread(main, ["cancel", "req-42", "--url", redis_url, "--queue", "chat"]) == 0
-    assert await server.exists(protocol.Keys("chat").cancel("req-42"))
+    assert await server.exists(store.Keys("chat").cancel("req-42"))
     assert "req-42" in capsys.readouterr().out
 
 

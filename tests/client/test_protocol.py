@@ -17,7 +17,6 @@ from client.protocol import (
     ErrorCode,
     ErrorEvent,
     GenerateRequest,
-    Keys,
     RequestLimits,
     SamplingParams,
     Timings,
@@ -31,6 +30,7 @@ from client.protocol import (
     ms_now,
     parse_request,
 )
+from client.store import Keys
 
 
 def request(**fields: Any) -> GenerateRequest:

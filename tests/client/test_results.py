@@ -11,7 +11,7 @@ import logging
 import pytest
 import redis.asyncio as aioredis
 
-from client import Cancelled, Delta, RequestExpired, RequestFailed, ResultTimeout, protocol
+from client import Cancelled, Delta, RequestExpired, RequestFailed, ResultTimeout, protocol, store
 from tests.client.twins import KEYS, Twin, TwinFactory, done, emit, tokens, wait_until
 
 pytestmark = pytest.mark.redis
@@ -151,8 +151,8 @@ async def test_status_counts(twin: Twin, server: aioredis.Redis) -> None:
     )
     for _ in range(3):
         await twin.submit()
-    await server.xgroup_create(KEYS.requests, protocol.CONSUMER_GROUP, id="0")
-    await server.xreadgroup(protocol.CONSUMER_GROUP, "w1", {KEYS.requests: ">"}, count=1)
+    await server.xgroup_create(KEYS.requests, store.CONSUMER_GROUP, id="0")
+    await server.xreadgroup(store.CONSUMER_GROUP, "w1", {KEYS.requests: ">"}, count=1)
     await server.xadd(KEYS.dead, {"m": b"junk"})
     now = protocol.ms_now()
     live = protocol.WorkerInfo(

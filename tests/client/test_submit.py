@@ -7,13 +7,13 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from client import QueueFull, protocol
+from client import QueueFull, protocol, store
 from tests.client.twins import KEYS, Twin, TwinFactory
 
 pytestmark = pytest.mark.redis
 
 
-async def entries(server: aioredis.Redis, keys: protocol.Keys = KEYS) -> list[protocol.GenerateRequest]:
+async def entries(server: aioredis.Redis, keys: store.Keys = KEYS) -> list[protocol.GenerateRequest]:
     return [protocol.decode_request(f[protocol.ENTRY_FIELD]) for _id, f in await server.xrange(keys.requests)]
 
 
@@ -38,7 +38,7 @@ async def test_submit_is_idempotent_per_request_id(twin: Twin, server: aioredis.
 
 async def test_submit_to_another_queue(twin: Twin, server: aioredis.Redis) -> None:
     await twin.submit(None, input_ids=[1, 2, 3], queue="batch")
-    [request] = await entries(server, protocol.Keys("batch"))
+    [request] = await entries(server, store.Keys("batch"))
     assert request.input_ids == [1, 2, 3]
     assert await server.xlen(KEYS.requests) == 0
 

@@ -15,8 +15,9 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from client import AsyncClient, AsyncJob, Client, Delta, Job, protocol
-from client._core import QueueStatus, Result
+from client import AsyncClient, AsyncJob, Client, Delta, Job, protocol, store
+from client._core import Result
+from client.store import QueueStatus
 
 
 class JobTwin:
@@ -84,14 +85,14 @@ class Twin:
 
 TwinFactory = Callable[..., Twin]
 
-KEYS = protocol.Keys("default")
+KEYS = store.Keys("default")
 
 
 async def emit(
     conn: aioredis.Redis,
     request_id: str,
     *events: protocol.TokensEvent | protocol.DoneEvent | protocol.ErrorEvent,
-    keys: protocol.Keys = KEYS,
+    keys: store.Keys = KEYS,
 ) -> None:
     """Write events to a request's result stream, as a worker's publisher does."""
     for event in events:

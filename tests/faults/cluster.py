@@ -18,7 +18,8 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from client import AsyncClient, AsyncJob, LLMQError, RequestFailed
-from client.protocol import ENTRY_FIELD, Keys, decode_event, ms_now
+from client.protocol import ENTRY_FIELD, decode_event, ms_now
+from client.store import Keys
 from worker.embedded_redis import RedisServer
 from worker.engine import Engine, EngineConfig, EngineRequest, GenerationParams, LoadOptions, load_model
 

@@ -10,7 +10,8 @@ import pytest
 from redis.asyncio import Redis
 
 from client import AsyncClient, RequestFailed
-from client.protocol import CONSUMER_GROUP, Keys, TokensEvent, decode_event
+from client.protocol import TokensEvent, decode_event
+from client.store import CONSUMER_GROUP, Keys
 from worker.leases import Leases
 from worker.publisher import Publisher, Target
 

@@ -10,7 +10,7 @@ import pytest
 from redis.asyncio import Redis
 
 from client import AsyncClient, RequestFailed
-from client.protocol import CONSUMER_GROUP, Keys
+from client.store import CONSUMER_GROUP, Keys
 from tests import poison
 from tests.worker.test_service import engine_greedy
 from worker.engine.sampling import FusedSampler

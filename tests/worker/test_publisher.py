@@ -8,7 +8,8 @@ from typing import Any
 import fakeredis
 import pytest
 
-from client.protocol import CONSUMER_GROUP, DoneEvent, ErrorEvent, Keys, TokensEvent, Usage, decode_event
+from client.protocol import DoneEvent, ErrorEvent, TokensEvent, Usage, decode_event
+from client.store import CONSUMER_GROUP, Keys
 from worker.publisher import Publisher, Target
 
 KEYS = Keys("default")

@@ -10,7 +10,8 @@ import pytest
 from redis.asyncio import Redis
 
 from client import AsyncClient, AsyncJob, RequestExpired, RequestFailed
-from client.protocol import CONSUMER_GROUP, Keys, decode_event, decode_request, ms_now
+from client.protocol import decode_event, decode_request, ms_now
+from client.store import CONSUMER_GROUP, Keys
 from worker.engine import EngineRequest, GenerationParams
 
 KEYS = Keys("default")

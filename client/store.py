@@ -1,0 +1,304 @@
+"""The Redis data model of a queue, in one place: key names, the fence hash's fields, every Lua script, and
+the status query. Both sides import it (the worker too), so it depends on nothing but the protocol module.
+
+Keys of a queue share the hash tag `{<prefix>:<queue>}` (one Redis Cluster slot); `Keys` names them all.
+Scripts are registered once per connection (`Scripts.register`), as streaQ keeps its scripts in one module:
+
+| script | run by | what it does |
+| --- | --- | --- |
+| `SUBMIT` | client | idempotency marker + queue limit + XADD, atomically |
+| `RENEW` | worker | renews the leases of the entries the worker still owns |
+| `HAND_BACK` | worker | makes owned entries claimable at once; counts hand-backs and engine failures |
+| `PUBLISH` | worker | one flush of result events: fenced, idempotent, acknowledging, isolated per request |
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from client.errors import MalformedEntry
+from client.protocol import DEFAULT_PREFIX, WorkerInfo, decode_worker, is_valid_name, ms_now
+
+CONSUMER_GROUP = "workers"
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names of one queue; all share the hash tag `{<prefix>:<queue>}`, so a queue is one shard."""
+
+    queue: str
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        for what, name in (("queue", self.queue), ("prefix", self.prefix)):
+            if not is_valid_name(name):
+                raise ValueError(f"{what} {name!r} must be 1-128 characters of [A-Za-z0-9._:-]")
+
+    @property
+    def tag(self) -> str:
+        return f"{{{self.prefix}:{self.queue}}}"
+
+    @property
+    def requests(self) -> str:
+        """Stream of unfinished requests, read by consumer group `CONSUMER_GROUP`."""
+        return f"{self.tag}:requests"
+
+    @property
+    def dead(self) -> str:
+        """Stream of dead letters."""
+        return f"{self.tag}:dead"
+
+    @property
+    def cancel_channel(self) -> str:
+        """Pub/sub channel; each message is the id of a request to cancel."""
+        return f"{self.tag}:cancel"
+
+    @property
+    def workers(self) -> str:
+        """Hash: worker id -> msgpack `WorkerInfo`."""
+        return f"{self.tag}:workers"
+
+    def result(self, request_id: str) -> str:
+        """Stream of one request's events; every write refreshes its TTL."""
+        return f"{self.tag}:result:{request_id}"
+
+    def cancel(self, request_id: str) -> str:
+        """Cancel mark (with a TTL), for a worker that missed the pub/sub message."""
+        return f"{self.tag}:cancel:{request_id}"
+
+    def submitted(self, request_id: str) -> str:
+        """Idempotency marker set by the submit script; lives for the request's `result_ttl`."""
+        return f"{self.tag}:id:{request_id}"
+
+    def fence(self, request_id: str) -> str:
+        """Workers' hash of one request: the `Fence` fields."""
+        return f"{self.tag}:fence:{request_id}"
+
+
+class Fence:
+    """Fields of a request's fence hash (`Keys.fence`), written by workers only, expiring with the request."""
+
+    ATTEMPT = "a"  # raised by every claim; a write is accepted only from the current attempt
+    WRITTEN = "n"  # tokens whose events are written: a retried write below it is skipped
+    HANDED_BACK = "h"  # hand-backs (drains, engine failures): forgiven up to `max_hand_backs` deliveries
+    ENGINE_FAILURES = "f"  # engine failures the request was implicated in: quarantined at `max_engine_failures`
+    STARTED = "s"  # epoch ms the first attempt started (timings after a resume describe the whole request)
+
+
+# --- scripts ------------------------------------------------------------------------------------
+
+# The client's submit: an atomic check-and-add. KEYS: the idempotency marker, the request stream; ARGV: the
+# entry, the queue limit (0 = none), the result TTL. Answers 1 = added, 0 = duplicate id (nothing added), or
+# `SUBMIT_FULL` (a full backlog: nothing added, not even the marker). Workers XDEL finished requests, so XLEN of
+# the stream is the backlog.
+SUBMIT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return 0
+end
+local limit = tonumber(ARGV[2])
+if limit > 0 and redis.call('XLEN', KEYS[2]) >= limit then
+  return -1
+end
+redis.call('SET', KEYS[1], 1, 'EX', ARGV[3])
+redis.call('XADD', KEYS[2], '*', 'm', ARGV[1])
+return 1
+"""
+SUBMIT_FULL = -1
+
+
+# Lease renewal: resets the idle time of the entries this consumer still owns. KEYS: the request stream; ARGV:
+# group, consumer, then the entry ids. Returns the ids it no longer owns (claimed by another, or acknowledged).
+RENEW = """
+local lost = {}
+for i = 3, #ARGV do
+  local entry = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if entry[1] and entry[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+return lost
+"""
+
+# Hands back only entries this consumer still owns: sets their idle time past any lease, so any worker's next
+# XAUTOCLAIM takes them, and counts the hand-back in the request's fence hash (`h`), so a request handed back
+# at every rolling restart does not run into the delivery limit; after an engine failure that implicated the
+# request it also counts that (`f`), which quarantines a request that keeps killing engines. KEYS: request
+# stream, then one fence hash per entry; ARGV: group, consumer, idle ms, 1 = engine failure, then the entry ids.
+# The fence writes are per request (pcall): a key Redis refuses fails that count, never the other hand-backs.
+HAND_BACK = """
+local handed = 0
+for i = 5, #ARGV do
+  local entry = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if entry[1] and entry[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'JUSTID')
+    local fence = KEYS[i - 3]
+    if redis.pcall('EXISTS', fence) == 1 then
+      redis.pcall('HINCRBY', fence, 'h', 1)
+      if ARGV[4] == '1' then
+        redis.pcall('HINCRBY', fence, 'f', 1)
+      end
+    end
+    handed = handed + 1
+  end
+end
+return handed
+"""
+
+
+# One call per flush, whatever it carries: packing and parsing a command per event was most of a busy
+# worker's time. KEYS: the request stream, then per event its result stream and fence hash.
+# ARGV: the group, then per event: attempt ('' = unfenced), ttl, event ('' = none: acknowledge only),
+# seq, size, entry id to acknowledge ('' = none). Returns per event 1 (written or already there), 0 (fenced),
+# or the error Redis gave for that event's keys alone (pcall): one request's broken key fails that request,
+# never the batch. An error that concerns the whole server (out of memory, read-only replica, loading...) fails
+# the call instead, so the batch stays queued and is retried.
+PUBLISH = """
+local function publish(result, fence, attempt, ttl, event, seq, size, entry)
+  local ok, write = 1, event ~= ''
+  if attempt ~= '' then
+    local current = redis.call('HMGET', fence, 'a', 'n')
+    if current[1] ~= attempt then
+      ok, write, entry = 0, false, ''
+    else
+      write = write and tonumber(seq) >= tonumber(current[2] or '0')
+      if write then
+        redis.call('HSET', fence, 'n', tonumber(seq) + tonumber(size))
+      end
+      redis.call('EXPIRE', fence, ttl)
+    end
+  end
+  if write then
+    redis.call('XADD', result, '*', 'm', event)
+    redis.call('EXPIRE', result, ttl)
+  end
+  if entry ~= '' then
+    redis.call('XACK', KEYS[1], ARGV[1], entry)
+    redis.call('XDEL', KEYS[1], entry)
+  end
+  return ok
+end
+local server_wide = {'OOM', 'READONLY', 'LOADING', 'BUSY', 'MASTERDOWN', 'NOREPLICAS', 'MISCONF', 'CLUSTERDOWN'}
+local written, refused = {}, {}
+for i = 0, (#KEYS - 1) / 2 - 1 do
+  local result, a = KEYS[2 + 2 * i], 2 + 6 * i
+  local outcome = refused[result]  -- a request refused once: its later events (and its ack) are not tried
+  if not outcome then
+    local done
+    done, outcome = pcall(publish, result, KEYS[3 + 2 * i],
+      ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5])
+    if not done then
+      local message = type(outcome) == 'table' and outcome.err or tostring(outcome)
+      for _, prefix in ipairs(server_wide) do
+        if string.sub(message, 1, #prefix) == prefix then
+          return redis.error_reply(message)
+        end
+      end
+      outcome = message
+      refused[result] = message
+    end
+  end
+  written[i + 1] = outcome
+end
+return written
+"""
+
+
+@dataclass(frozen=True)
+class Scripts:
+    """Every script, registered on one Redis connection (sync or asyncio)."""
+
+    submit: Any
+    renew: Any
+    hand_back: Any
+    publish: Any
+
+    @classmethod
+    def register(cls, redis: Any) -> Scripts:
+        return cls(*(redis.register_script(body) for body in (SUBMIT, RENEW, HAND_BACK, PUBLISH)))
+
+
+# --- status -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QueueStatus:
+    """A queue at a glance; `pending`/`lag` are None until a worker has created the consumer group."""
+
+    queue: str
+    depth: int
+    pending: int | None
+    lag: int | None
+    dead: int
+    workers: list[WorkerInfo] = field(default_factory=list)
+    oldest_pending_age_s: float | None = None  # how long the oldest unacknowledged request has been delivered
+    stale_workers: list[str] = field(default_factory=list)  # heartbeats older than `stale_after_s`, or unreadable
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "workers": [w.model_dump() for w in self.workers]}
+
+
+def _group_stats(groups: Any, group: bytes) -> tuple[int | None, int | None]:
+    if isinstance(groups, Exception):  # no stream yet: XINFO answers an error
+        return None, None
+    for info in groups:
+        name = info.get("name")
+        if (name.encode() if isinstance(name, str) else name) == group:
+            return info.get("pending"), info.get("lag")
+    return None, None
+
+
+def queue_status_commands(pipe: Any, keys: Keys) -> None:
+    """Queue on a pipeline the reads `status_from_replies` expects, in its order."""
+    pipe.xlen(keys.requests)
+    pipe.xinfo_groups(keys.requests)
+    pipe.xlen(keys.dead)
+    pipe.hgetall(keys.workers)
+    pipe.xpending(keys.requests, CONSUMER_GROUP)
+
+
+def queue_cancel_commands(pipe: Any, keys: Keys, request_id: str, ttl: int) -> None:
+    """Queue on a pipeline the cancel mark (for a worker that missed the message) and the message."""
+    pipe.set(keys.cancel(request_id), 1, ex=ttl)
+    pipe.publish(keys.cancel_channel, request_id)
+
+
+def status_from_replies(queue: str, replies: list[Any], stale_after_s: float) -> QueueStatus:
+    """Build `QueueStatus` from the replies to XLEN requests, XINFO GROUPS, XLEN dead, HGETALL workers, XPENDING."""
+    depth, groups, dead, workers_hash, pending_summary = replies
+    for reply in (depth, dead, workers_hash):
+        if isinstance(reply, Exception):
+            raise reply
+    pending, lag = _group_stats(groups, CONSUMER_GROUP.encode())
+    oldest = ms_now() - int(stale_after_s * 1000)
+    workers, stale = [], []
+    for worker_id, raw in workers_hash.items():
+        try:
+            info = decode_worker(raw)
+        except MalformedEntry:
+            info = None
+        if info is not None and info.heartbeat >= oldest:
+            workers.append(info)
+        else:
+            stale.append(worker_id.decode() if isinstance(worker_id, bytes) else worker_id)
+    workers.sort(key=lambda w: w.id)
+    return QueueStatus(
+        queue=queue,
+        depth=depth,
+        pending=pending,
+        lag=lag,
+        dead=dead,
+        workers=workers,
+        oldest_pending_age_s=_oldest_pending_age_s(pending_summary),
+        stale_workers=sorted(stale),
+    )
+
+
+def _oldest_pending_age_s(summary: Any) -> float | None:
+    """Age of the oldest delivered, unacknowledged entry, from its id's millisecond part."""
+    if isinstance(summary, Exception) or not summary or not summary.get("min"):
+        return None
+    oldest = summary["min"].decode() if isinstance(summary["min"], bytes) else summary["min"]
+    return max(0.0, (ms_now() - int(oldest.split("-")[0])) / 1000)
