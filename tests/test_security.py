@@ -16,7 +16,7 @@ from tests.tiny_models import save_tiny_model
 from worker.config import Settings
 from worker.embedded_redis import RedisServer
 from worker.logging import redact
-from worker.service import connect
+from worker.process import connect
 
 PASSWORD = "s3cret-Pa55"
 ACL_PASSWORD = "acl-Pa55word"

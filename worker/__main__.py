@@ -16,7 +16,7 @@ signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 import asyncio  # noqa: E402 - after the handler, so a SIGTERM during these slow imports is caught
 
 from worker.config import Settings  # noqa: E402
-from worker.service import RedisUnavailable, serve  # noqa: E402
+from worker.process import RedisUnavailable, serve  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

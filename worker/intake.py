@@ -1,7 +1,10 @@
 """Reading requests: the consumer group, COUNT = free engine slots, and the decision for each entry.
 
-Every entry read leaves here as exactly one of: `Accepted` (goes to the engine), `Rejected` (its reader gets
-an `error` or `done` event, then it is acknowledged) or `DeadLetter` (unreadable: no request id to answer to).
+Two pure decisions, each with a unit test per branch:
+- `decide` (the entry as read): `Accepted`, `Rejected` (its reader gets an `error` event, then it is
+  acknowledged) or `DeadLetter` (unreadable: no request id to answer to);
+- `decide_ready` (an accepted request, once `Intake.prepare` read what Redis knows of it): `Run`, `Complete`
+  (earlier attempts produced everything) or `Refuse` (quarantined, or over the delivery limit).
 """
 
 from __future__ import annotations
@@ -99,6 +102,63 @@ class Ready:
     engine_failures: int = 0  # engine failures this request was implicated in, on any worker
     first_started_ms: int | None = None  # when the first attempt started (epoch ms), for whole-request timings
     first_token_ms: int | None = None  # when an earlier attempt published the first token
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Generate it (`suspect`: it was implicated in an engine failure; `replaces_own`: this worker still runs an
+    older attempt of it, its lease having lapsed, which stops for this one)."""
+
+    suspect: bool = False
+    replaces_own: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Complete:
+    """Nothing is left to generate: publish `done` with `finish_reason`, or only acknowledge (None: an earlier
+    attempt published its end and died before acknowledging)."""
+
+    finish_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Never run it again: an `error` event with `code`, and a dead letter with `reason`."""
+
+    code: ErrorCode
+    reason: str
+
+
+ReadyDecision = Run | Complete | Refuse
+
+
+def decide_ready(
+    ready: Ready,
+    *,
+    eos_token_ids: tuple[int, ...],
+    max_deliveries: int,
+    max_engine_failures: int,
+    running_here: bool = False,
+) -> ReadyDecision:
+    """What to do with a request once Redis said what it knows of it (pure, so every branch is unit-tested)."""
+    request, delivered = ready.accepted.request, ready.delivered_ids
+    if ready.finished:
+        return Complete(None)
+    if ready.engine_failures >= max_engine_failures:
+        return Refuse(
+            ErrorCode.POISON_REQUEST,
+            f"quarantined: implicated in {ready.engine_failures} engine failures "
+            f"(max_engine_failures {max_engine_failures})",
+        )
+    if ready.deliveries > max_deliveries:
+        return Refuse(ErrorCode.DELIVERY_LIMIT, f"claimed {ready.deliveries} times (max_deliveries {max_deliveries})")
+    if ready.cancelled:
+        return Complete("cancelled")
+    if delivered and not request.params.ignore_eos and delivered[-1] in eos_token_ids:
+        return Complete("eos")
+    if len(delivered) >= request.params.max_new_tokens:
+        return Complete("length")
+    return Run(suspect=ready.engine_failures > 0, replaces_own=running_here)
 
 
 class Intake:

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from worker.engine import Engine
+from worker.engine.interface import GenerationEngine
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -25,7 +25,7 @@ _FILL_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 
 class _EngineCollector(Collector):
     """Engine state at scrape time."""
 
-    def __init__(self, engine: Engine, labels: dict[str, str]) -> None:
+    def __init__(self, engine: GenerationEngine, labels: dict[str, str]) -> None:
         self._engine = engine
         self._labels = labels
 
@@ -64,7 +64,7 @@ class _EngineCollector(Collector):
 class Metrics:
     """A worker's metrics in a registry of its own (several workers can share a process in tests)."""
 
-    def __init__(self, engine: Engine, queue: str, model: str) -> None:
+    def __init__(self, engine: GenerationEngine, queue: str, model: str) -> None:
         self.registry = CollectorRegistry()
         labels = {"queue": queue, "model_name": model}
         names = list(labels)
@@ -103,8 +103,8 @@ class Metrics:
         self.queue_pending = gauge("llmq:queue_pending", "Entries delivered to a worker and not yet acknowledged.")
         self.queue_lag = gauge("llmq:queue_lag", "Entries not yet delivered to any worker.")
         self.registry.register(_EngineCollector(engine, labels))
-        max_batch_tokens = engine.config.max_batch_tokens
-        engine.counters.step_observers.append(lambda tokens: self.batch_fill.observe(tokens / max_batch_tokens))
+        max_batch_tokens = engine.stats().max_batch_tokens
+        engine.observe_steps(lambda tokens: self.batch_fill.observe(tokens / max_batch_tokens))
 
     def serve(self, port: int, address: str = "0.0.0.0") -> None:
         """Serves `/metrics` over HTTP from a daemon thread."""

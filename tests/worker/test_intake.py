@@ -6,7 +6,7 @@ import msgpack
 import pytest
 
 from client.protocol import ErrorCode, GenerateRequest, RequestLimits, encode, ms_now
-from worker.intake import Accepted, DeadLetter, Rejected, decide
+from worker.intake import Accepted, Complete, DeadLetter, Ready, Refuse, Rejected, Run, decide, decide_ready
 
 LIMITS = RequestLimits()
 
@@ -106,3 +106,65 @@ def test_expired_deadline_is_rejected_without_generation() -> None:
     decision = decide(b"1-0", entry(valid(deadline=now - 1, result_ttl=60)), LIMITS, now_ms=now)
     assert isinstance(decision, Rejected) and decision.code == ErrorCode.EXPIRED and decision.result_ttl == 60
     assert isinstance(decide(b"1-0", entry(valid(deadline=now + 10_000)), LIMITS, now_ms=now), Accepted)
+
+
+# --- decide_ready: one test per branch ----------------------------------------------------------
+
+EOS = (0,)
+
+
+def ready(**fields: object) -> Ready:
+    request = GenerateRequest(id="r", input_ids=[3, 4], params={"max_new_tokens": 5}, submitted=ms_now())
+    base: dict = {"attempt": 2, "cancelled": False, "delivered_ids": [], "delivered_text": "", "finished": False}
+    return Ready(Accepted(b"1-0", request), **{**base, **fields})  # type: ignore[arg-type]
+
+
+def settle(item: Ready, **options: object) -> object:
+    limits: dict = {"eos_token_ids": EOS, "max_deliveries": 3, "max_engine_failures": 2, **options}
+    return decide_ready(item, **limits)
+
+
+def test_a_fresh_request_runs() -> None:
+    assert settle(ready()) == Run(suspect=False, replaces_own=False)
+
+
+def test_a_request_implicated_once_runs_as_a_suspect() -> None:
+    assert settle(ready(engine_failures=1)) == Run(suspect=True)
+
+
+def test_claiming_its_own_request_replaces_the_old_run() -> None:
+    assert settle(ready(), running_here=True) == Run(replaces_own=True)
+
+
+def test_an_ended_request_is_only_acknowledged() -> None:
+    assert settle(ready(finished=True, engine_failures=9, deliveries=9)) == Complete(None)
+
+
+def test_a_request_implicated_too_often_is_quarantined() -> None:
+    decision = settle(ready(engine_failures=2))
+    assert isinstance(decision, Refuse) and decision.code == ErrorCode.POISON_REQUEST
+    assert "2 engine failures" in decision.reason
+
+
+def test_a_request_delivered_too_often_is_refused() -> None:
+    decision = settle(ready(deliveries=4))
+    assert isinstance(decision, Refuse) and decision.code == ErrorCode.DELIVERY_LIMIT
+    assert settle(ready(deliveries=3)) == Run()
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"cancelled": True}, "cancelled"),
+        ({"delivered_ids": [5, 0]}, "eos"),
+        ({"delivered_ids": [5, 6, 7, 8, 9]}, "length"),
+    ],
+)
+def test_a_request_with_nothing_left_to_generate_completes(fields: dict, reason: str) -> None:
+    assert settle(ready(**fields)) == Complete(reason)
+
+
+def test_eos_is_not_an_end_when_the_request_ignores_it() -> None:
+    request = GenerateRequest(id="r", input_ids=[3], params={"max_new_tokens": 5, "ignore_eos": True}, submitted=1)
+    item = Ready(Accepted(b"1-0", request), 1, False, [5, 0], "", False)
+    assert settle(item) == Run()

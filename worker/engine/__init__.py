@@ -2,12 +2,14 @@
 
 from worker.engine.core import Engine, EngineConfig
 from worker.engine.errors import EngineClosed, EngineError, EngineFailed, RequestRejected
+from worker.engine.interface import DeltaStream, GenerationEngine
 from worker.engine.loader import DEFAULT_MODEL, LoadOptions, load_model
 from worker.engine.stream import RequestStream
 from worker.engine.types import EngineRequest, EngineStats, Finish, GenerationParams, OutputDelta, Resume
 
 __all__ = [
     "DEFAULT_MODEL",
+    "DeltaStream",
     "Engine",
     "EngineClosed",
     "EngineConfig",
@@ -16,6 +18,7 @@ __all__ = [
     "EngineRequest",
     "EngineStats",
     "Finish",
+    "GenerationEngine",
     "GenerationParams",
     "LoadOptions",
     "OutputDelta",

@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,6 +164,10 @@ class Engine:
         if self._closing or not self.alive or any(not s.request.suspect for s in self._waiting):
             return 0  # closing, restarting, or KV-bound (a suspect waits only for the one running suspect)
         return max(0, self.config.max_running - len(self._running) - len(self._waiting))
+
+    def observe_steps(self, observer: Callable[[int], None]) -> None:
+        """Calls `observer(tokens)` after every step, from the engine's thread."""
+        self.counters.step_observers.append(observer)
 
     @property
     def alive(self) -> bool:

@@ -1,0 +1,81 @@
+"""A worker's heartbeat: its stats in `{<queue>}:workers` for `llmq status`, the health file, the queue gauges,
+and pruning of heartbeats left by workers gone for long. Runs until the worker finishes, draining included."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Callable
+
+from redis.asyncio import Redis
+from structlog.typing import FilteringBoundLogger
+
+from client.protocol import WorkerInfo, encode, ms_now
+from client.store import Keys, queue_status_commands, status_from_replies
+from worker.config import Settings
+from worker.engine import GenerationEngine
+from worker.logging import redact
+from worker.metrics import Metrics
+from worker.pausing import pause
+
+_STALE_WORKER_S = 10 * 60  # heartbeats older than this are pruned from the workers hash
+
+
+class Heartbeat:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        settings: Settings,
+        engine: GenerationEngine,
+        metrics: Metrics,
+        tokens_generated: Callable[[], int],
+        log: FilteringBoundLogger,
+    ) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._settings = settings
+        self._engine = engine
+        self._metrics = metrics
+        self._tokens_generated = tokens_generated
+        self._log = log
+        self.started_ms = ms_now()
+
+    async def run(self, finished: asyncio.Event) -> None:
+        while not finished.is_set():
+            try:
+                await self._redis.hset(self._keys.workers, self._settings.worker_id, encode(self.info()))
+                if self._engine.alive:  # the container health check reads this file's age
+                    self._settings.health_file.write_text(str(ms_now()))
+                await self._report_queue()
+            except Exception as error:
+                self._log.warning("heartbeat failed", error=redact(str(error)))
+            await pause(finished, self._settings.heartbeat_s)
+
+    async def _report_queue(self) -> None:
+        """Queue gauges for the metrics, and pruning: heartbeats of workers gone for long leave the hash."""
+        pipe = self._redis.pipeline(transaction=False)
+        queue_status_commands(pipe, self._keys)
+        replies = await pipe.execute(raise_on_error=False)
+        status = status_from_replies(self._keys.queue, replies, stale_after_s=_STALE_WORKER_S)
+        self._metrics.set_queue(status.depth, status.pending, status.lag)
+        if status.stale_workers:
+            await self._redis.hdel(self._keys.workers, *status.stale_workers)
+
+    def info(self) -> WorkerInfo:
+        stats = self._engine.stats()
+        return WorkerInfo(
+            id=self._settings.worker_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            queue=self._settings.queue,
+            model=self._settings.model,
+            running=stats.running,
+            waiting=stats.waiting,
+            kv_used_blocks=stats.kv_blocks_used,
+            kv_total_blocks=stats.kv_blocks_total,
+            tokens_generated=self._tokens_generated(),
+            started=self.started_ms,
+            heartbeat=ms_now(),
+        )

@@ -1,0 +1,67 @@
+"""The worker process: connect to Redis (failing fast on bad credentials), load the model, start the engine,
+and serve until SIGTERM or SIGINT (the first drains, a second ends the drain). `python -m worker` calls
+`serve`; `Worker` (worker.service) is the service itself, over an already started engine."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import Any
+
+from redis.asyncio import Redis
+
+from worker.adapter import engine_config
+from worker.config import Settings
+from worker.engine import Engine, LoadOptions, load_model
+from worker.logging import configure, get_logger, redact
+from worker.service import Worker
+
+
+def connect(settings: Settings) -> Redis:
+    # A read that never gets its reply (a half-open connection) must fail and be retried, not hang the loop:
+    # every call here is short (XREADGROUP blocks for read_block_ms at most).
+    timeout_s = max(10.0, 4 * settings.read_block_ms / 1000)
+    kwargs: dict[str, Any] = {"health_check_interval": 15, "socket_timeout": timeout_s, "socket_connect_timeout": 5.0}
+    if settings.redis_ca_file is not None:
+        kwargs["ssl_ca_certs"] = str(settings.redis_ca_file)
+    return Redis.from_url(settings.redis_url.get_secret_value(), **kwargs)
+
+
+class RedisUnavailable(RuntimeError):
+    """Redis refused or could not be reached at start-up: wrong URL, password, ACL or TLS settings."""
+
+
+async def serve(settings: Settings, *, handle_signals: bool = True) -> None:
+    """Checks Redis, loads the model, starts the engine and serves until SIGTERM or SIGINT."""
+    configure(settings.log_format, settings.log_level)
+    log = get_logger(worker=settings.worker_id)
+    url = redact(settings.redis_url.get_secret_value())
+    redis = connect(settings)
+    try:
+        await redis.ping()  # fail in a second on a wrong password or address, not after loading the model
+    except Exception as error:
+        await redis.aclose()
+        raise RedisUnavailable(f"cannot use Redis at {url}: {redact(str(error)) or type(error).__name__}") from None
+    stop, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:  # the first signal drains, a second one ends the drain at once
+        (hurry if stop.is_set() else stop).set()
+
+    if handle_signals:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, on_signal)
+    try:
+        log.info("loading model", model=settings.model, device=settings.device, redis=url)
+        options = LoadOptions(
+            device=settings.device,
+            dtype=settings.dtype,
+            attn_implementation=settings.attn_implementation,
+            trust_remote_code=settings.trust_remote_code,
+            cache_dir=settings.model_cache_dir,
+        )
+        model, tokenizer = await asyncio.to_thread(load_model, settings.model, options)
+        async with Engine(model, tokenizer, engine_config(settings)) as engine:
+            await Worker(settings, engine, redis).run(stop, hurry)
+    finally:
+        await redis.aclose()
