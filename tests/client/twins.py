@@ -109,11 +109,3 @@ def done(finish_reason: str = "eos", completion_tokens: int = 0) -> protocol.Don
         usage=protocol.Usage(prompt_tokens=3, completion_tokens=completion_tokens),
         timings=protocol.Timings(queue_ms=1.5, ttft_ms=2.0, total_ms=9.0),
     )
-
-
-async def wait_until(predicate: Callable[[], bool], within_s: float = 5.0) -> None:
-    for _ in range(int(within_s / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"condition not met within {within_s} s")

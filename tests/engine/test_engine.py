@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests.engine.conftest import load, reference_greedy
+from tests.polling import wait_until
 from worker.engine.errors import EngineFailed, RequestRejected
 from worker.engine.types import EngineRequest, Finish, GenerationParams, OutputDelta, Resume
 
@@ -135,25 +136,18 @@ async def test_max_tokens_and_eos(llama_dir: Path, make_engine: Any) -> None:
     assert tokens_of(ignoring) == free_run and ignoring[-1].finish_reason == Finish.LENGTH
 
 
-async def wait_for(predicate: Any) -> None:
-    """Polls until the condition holds; fails after 5 s."""
-    async with asyncio.timeout(5):
-        while not predicate():
-            await asyncio.sleep(0.01)
-
-
 async def test_cancel_mid_stream_frees_kv(llama_dir: Path, make_engine: Any) -> None:
     engine = await make_engine(llama_dir)
     stream = engine.submit(EngineRequest("long", input_ids=[3, 4, 5], params=greedy(500, ignore_eos=True)))
     other = engine.submit(EngineRequest("other", input_ids=[6, 7], params=greedy(10, ignore_eos=True)))
     first = await anext(stream)
-    await wait_for(lambda: engine.stats().kv_blocks_used > 0)
+    await wait_until(lambda: engine.stats().kv_blocks_used > 0)
     assert engine.cancel("long")
     rest = await collect(stream)
     assert rest[-1].finish_reason == Finish.CANCELLED
     assert len(tokens_of([first, *rest])) < 500
     assert len(tokens_of(await collect(other))) == 10
-    await wait_for(lambda: engine.stats().kv_blocks_used == 0 and engine.idle)
+    await wait_until(lambda: engine.stats().kv_blocks_used == 0 and engine.idle)
     assert engine.stats().kv_blocks_reserved == 0
     assert not engine.cancel("long")
 
@@ -172,7 +166,7 @@ async def test_failed_engine_thread_restarts(llama_dir: Path, make_engine: Any) 
     model.forward = broken_forward
     with pytest.raises(EngineFailed):
         await collect(engine.submit(EngineRequest("victim", input_ids=[3, 4], params=greedy(50))))
-    await wait_for(lambda: engine.stats().restarts == 1)
+    await wait_until(lambda: engine.stats().restarts == 1)
     after = await collect(engine.submit(EngineRequest("after", input_ids=[3, 4], params=greedy(6))))
     assert tokens_of(after) == expected
 
@@ -327,12 +321,12 @@ async def test_closing_during_a_restart_leaves_no_engine_thread(llama_dir: Path)
     model.forward = broken_forward
     with pytest.raises(EngineFailed):
         await collect(engine.submit(EngineRequest("victim", input_ids=[3, 4], params=greedy(5))))
-    await wait_for(starting.is_set)
+    await wait_until(starting.is_set)
     await engine.close()
 
     def generation_threads() -> list[threading.Thread]:
         return [t for t in threading.enumerate() if "_run_generation_loop" in t.name and t.is_alive()]
 
-    await wait_for(restarted.is_set)
-    await wait_for(lambda: not generation_threads())
+    await wait_until(restarted.is_set)
+    await wait_until(lambda: not generation_threads())
     assert engine._manager is None

@@ -11,6 +11,7 @@ import pytest
 from redis.asyncio import Redis
 
 from client import AsyncClient
+from tests.scripted_engine import ScriptedEngine
 from tests.tiny_models import save_tiny_model
 from worker.adapter import engine_config
 from worker.config import Settings
@@ -50,13 +51,24 @@ class RunningWorker:
 
 @pytest.fixture
 async def start_worker(redis_url: str, model_dir: Path) -> AsyncIterator[Callable[..., Any]]:
-    """Starts in-process workers (real engine, real Redis); all are stopped after the test."""
-    started: list[tuple[RunningWorker, Engine, Redis]] = []
+    """Starts in-process workers on a real Redis: on the scripted engine (service logic, fast), or with
+    `real_model=True` on the real engine and a tiny model. All are stopped after the test."""
+    started: list[tuple[RunningWorker, Any, Redis]] = []
 
-    async def start(**overrides: Any) -> RunningWorker:
+    async def start(*, real_model: bool = False, step_s: float = 0.002, **overrides: Any) -> RunningWorker:
         settings = worker_settings(redis_url, model_dir, **overrides)
-        model, tokenizer = load_model(settings.model, LoadOptions(cache_dir=settings.model_cache_dir))
-        engine = await Engine(model, tokenizer, engine_config(settings)).start()
+        engine: Any
+        if real_model:
+            model, tokenizer = load_model(settings.model, LoadOptions(cache_dir=settings.model_cache_dir))
+            engine = await Engine(model, tokenizer, engine_config(settings)).start()
+        else:
+            engine = ScriptedEngine(
+                step_s=step_s,
+                max_running=settings.max_running,
+                kv_cache_tokens=settings.kv_cache_tokens,
+                page_size=settings.page_size,
+                max_batch_tokens=settings.max_batch_tokens,
+            )
         redis = Redis.from_url(redis_url)
         worker = Worker(settings, engine, redis)
         stop, hurry = asyncio.Event(), asyncio.Event()

@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from client import AsyncClient, RequestFailed
 from client.store import CONSUMER_GROUP, Keys
 from tests import poison
-from tests.worker.test_service import engine_greedy
+from worker.engine import EngineRequest, GenerationParams
 from worker.engine.sampling import FusedSampler
 
 KEYS = Keys("default")
@@ -22,6 +22,13 @@ GOOD = 31
 @pytest.fixture
 def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(FusedSampler, "__call__", poison.poisoned(FusedSampler.__call__))
+
+
+async def engine_greedy(worker: Any, input_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The engine's own greedy output for a prompt, straight from the engine, bypassing Redis."""
+    params = GenerationParams(max_new_tokens=max_new_tokens, temperature=0)
+    stream = worker.engine.submit(EngineRequest(f"direct-{input_ids}", input_ids=input_ids, params=params))
+    return [token async for delta in stream for token in delta.token_ids]
 
 
 def prompts() -> list[list[int]]:
@@ -56,7 +63,7 @@ async def run_mixed(workers: list[Any], client: AsyncClient, redis_url: str) -> 
 async def test_poison_among_31_is_quarantined_on_one_worker(
     start_worker: Any, client: AsyncClient, redis_url: str
 ) -> None:
-    worker = await start_worker(max_running=32, kv_cache_tokens=4096, claim_interval_s=0.1)
+    worker = await start_worker(real_model=True, max_running=32, kv_cache_tokens=4096, claim_interval_s=0.1)
     await run_mixed([worker], client, redis_url)
 
 
@@ -64,5 +71,8 @@ async def test_poison_among_31_is_quarantined_on_one_worker(
 async def test_poison_among_31_is_quarantined_on_two_workers(
     start_worker: Any, client: AsyncClient, redis_url: str
 ) -> None:
-    workers = [await start_worker(max_running=16, kv_cache_tokens=4096, claim_interval_s=0.1) for _ in range(2)]
+    workers = [
+        await start_worker(real_model=True, max_running=16, kv_cache_tokens=4096, claim_interval_s=0.1)
+        for _ in range(2)
+    ]
     await run_mixed(workers, client, redis_url)

@@ -1,8 +1,10 @@
-"""A worker in this process (real engine on a tiny model, real redis-server) driven through the client."""
+"""A worker in this process (the scripted engine, a real redis-server) driven through the client: the service's
+logic, fast; the real engine is exercised by tests/engine, tests/e2e and the poison tests."""
 
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import msgpack
@@ -12,21 +14,14 @@ from redis.asyncio import Redis
 from client import AsyncClient, AsyncJob, RequestExpired, RequestFailed
 from client.protocol import decode_event, decode_request, ms_now
 from client.store import CONSUMER_GROUP, Keys
-from worker.engine import EngineRequest, GenerationParams
+from tests.polling import wait_until
+from tests.scripted_engine import expected_tokens
 
 KEYS = Keys("default")
 
 
-async def engine_greedy(worker: Any, input_ids: list[int], max_new_tokens: int) -> list[int]:
-    """The engine's own greedy output for a prompt, straight from the engine, bypassing Redis."""
-    stream = worker.engine.submit(
-        EngineRequest(
-            f"direct-{len(input_ids)}-{max_new_tokens}",
-            input_ids=input_ids,
-            params=GenerationParams(max_new_tokens=max_new_tokens, temperature=0),
-        )
-    )
-    return [token async for delta in stream for token in delta.token_ids]
+async def backlog_is_empty(redis: Redis) -> bool:
+    return await redis.xlen(KEYS.requests) == 0
 
 
 async def raw_entries(redis: Redis, key: str) -> list[Any]:
@@ -34,19 +29,18 @@ async def raw_entries(redis: Redis, key: str) -> list[Any]:
 
 
 async def test_requests_round_trip_and_leave_no_backlog(start_worker: Any, client: AsyncClient, redis_url: str) -> None:
-    running = await start_worker()
+    await start_worker()
     prompts = [[3 + i, 4, 5, 6 + i] for i in range(6)]
-    expected = [await engine_greedy(running.worker, p, 12) for p in prompts]
+    expected = [expected_tokens(p, 12) for p in prompts]
     jobs = [await client.submit(input_ids=p, max_new_tokens=12, temperature=0) for p in prompts]
     results = await asyncio.gather(*(job.result(timeout=30) for job in jobs))
     for result, want in zip(results, expected, strict=True):
         assert result.token_ids == want
-        assert result.finish_reason in ("length", "eos")
+        assert result.finish_reason == "length"
         assert result.usage.completion_tokens == len(want) and result.usage.prompt_tokens == 4
         assert result.timings.total_ms is not None and result.timings.total_ms >= 0
     async with Redis.from_url(redis_url) as redis:
-        await asyncio.sleep(0.1)
-        assert await redis.xlen(KEYS.requests) == 0  # acknowledged and deleted
+        await wait_until(lambda: backlog_is_empty(redis))  # acknowledged and deleted
         assert (await redis.xpending(KEYS.requests, CONSUMER_GROUP))["pending"] == 0
         assert 0 < await redis.ttl(KEYS.result(jobs[0].id)) <= 3600
 
@@ -81,8 +75,7 @@ async def test_cancel_before_start_is_answered_without_generating(client: AsyncC
 
 
 async def test_expired_deadline_is_never_generated(client: AsyncClient, start_worker: Any, redis_url: str) -> None:
-    job = await client.submit(input_ids=[3, 4], max_new_tokens=50, deadline=0.2)
-    await asyncio.sleep(0.4)
+    job = await client.submit(input_ids=[3, 4], max_new_tokens=50, deadline=datetime.now(UTC) - timedelta(seconds=1))
     await start_worker()
     with pytest.raises(RequestExpired):
         await job.result(timeout=30)
@@ -134,14 +127,17 @@ async def test_bad_entries_get_errors_or_dead_letters_and_good_ones_complete(
             assert failure.value.code == code, request_id
         dead = await redis.xrange(KEYS.dead)
         assert len(dead) == 1 and msgpack.unpackb(dead[0][1][b"m"])["raw"] == b"\x00\xffnot msgpack at all"
-        await asyncio.sleep(0.1)
-        assert await redis.xlen(KEYS.requests) == 0
+        await wait_until(lambda: backlog_is_empty(redis))
 
 
 async def test_heartbeat_reports_the_worker(start_worker: Any, client: AsyncClient) -> None:
     running = await start_worker()
     await (await client.submit(input_ids=[3, 4], max_new_tokens=5, temperature=0, ignore_eos=True)).result(timeout=30)
-    await asyncio.sleep(0.5)
+
+    async def reported() -> bool:
+        return any(w.tokens_generated == 5 for w in (await client.status()).workers)
+
+    await wait_until(reported)
     status = await client.status()
     (info,) = status.workers
     assert info.id == running.worker.settings.worker_id
@@ -163,8 +159,7 @@ async def test_request_claimed_too_often_goes_to_the_dead_letters(
         assert failure.value.code == "delivery_limit"
         (dead,) = await redis.xrange(KEYS.dead)
         assert "max_deliveries 1" in msgpack.unpackb(dead[1][b"m"])["reason"]
-        await asyncio.sleep(0.1)
-        assert await redis.xlen(KEYS.requests) == 0
+        await wait_until(lambda: backlog_is_empty(redis))
 
 
 async def test_dead_workers_request_is_claimed_and_resumed(
@@ -172,7 +167,7 @@ async def test_dead_workers_request_is_claimed_and_resumed(
 ) -> None:
     """A worker died after publishing 4 tokens: another claims the request and continues the same stream."""
     running = await start_worker(lease_timeout_s=0.3, claim_interval_s=0.1)
-    expected = await engine_greedy(running.worker, [3, 4, 5], 12)
+    expected = expected_tokens([3, 4, 5], 12)
     running.stop.set()
     await running.task
     job = await client.submit(input_ids=[3, 4, 5], max_new_tokens=12, temperature=0)
@@ -195,31 +190,26 @@ async def test_dead_workers_request_is_claimed_and_resumed(
 
 
 async def test_engine_failure_hands_the_request_back_and_it_completes(start_worker: Any, client: AsyncClient) -> None:
-    running = await start_worker(lease_timeout_s=5.0, claim_interval_s=0.1)
-    expected = await engine_greedy(running.worker, [5, 6, 7], 10)
-    model = running.worker.engine.model
-    original = model.forward
-
-    def broken_forward(*args: Any, **kwargs: Any) -> Any:
-        model.forward = original  # fail once
-        raise RuntimeError("simulated device fault")
-
-    model.forward = broken_forward
-    result = await (await client.submit(input_ids=[5, 6, 7], max_new_tokens=10, temperature=0)).result(timeout=60)
-    assert result.token_ids == expected
+    running = await start_worker(lease_timeout_s=5.0, claim_interval_s=0.1, step_s=0.01)
+    job = await client.submit(input_ids=[5, 6, 7], max_new_tokens=30, temperature=0)
+    async for _ in job.stream(timeout=30):
+        running.worker.engine.fail_next_step()  # the engine dies under it after its first token
+        break
+    result = await job.result(timeout=60)
+    assert result.token_ids == expected_tokens([5, 6, 7], 30)  # resumed where the published tokens stop
     assert running.worker.engine.stats().restarts == 1 and running.worker.metrics.claims._value.get() >= 1
 
 
 async def test_second_signal_ends_the_drain_and_hands_back(
     start_worker: Any, client: AsyncClient, redis_url: str
 ) -> None:
-    running = await start_worker(drain_timeout_s=60.0)
+    running = await start_worker(drain_timeout_s=60.0, step_s=0.01)
     job = await client.submit(input_ids=[3, 4], max_new_tokens=480, temperature=0, ignore_eos=True)
     async for _ in job.stream(timeout=30):
         break  # it is generating now
     running.stop.set()  # first signal: drain
-    await asyncio.sleep(0.3)
-    assert not running.task.done()  # still draining: the request may finish within the timeout
+    with pytest.raises(TimeoutError):  # still draining: the request may finish within the timeout
+        await asyncio.wait_for(asyncio.shield(running.task), 0.3)
     running.hurry.set()  # second signal
     await asyncio.wait_for(running.task, 10)
     async with Redis.from_url(redis_url) as redis:
@@ -243,7 +233,7 @@ async def test_claiming_its_own_request_restarts_it_as_one_stream(start_worker: 
     """A worker whose lease lapsed (its renewals failed) may claim its own request: the old run stops and the
     new attempt continues the same stream."""
     running = await start_worker(lease_timeout_s=0.2, lease_renew_s=30.0, claim_interval_s=0.1, max_deliveries=1000)
-    expected = await engine_greedy(running.worker, [3, 4, 5, 6], 400)
+    expected = expected_tokens([3, 4, 5, 6], 400)
     job = await client.submit(input_ids=[3, 4, 5, 6], max_new_tokens=400, temperature=0)
     result = await job.result(timeout=60)
     assert result.token_ids == expected

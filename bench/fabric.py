@@ -1,7 +1,8 @@
-"""The queue fabric without the model's cost: client -> Redis -> worker processes -> Redis -> client, with a
-scripted engine (defined here, never a default) that emits one token per running request every simulated step.
+"""The queue fabric without the model's cost: client -> Redis -> worker processes -> Redis -> client, with the
+scripted engine (`tests/scripted_engine.py`, never a default) that emits one token per running request every
+simulated step.
 
-    python -m bench.queue [--quick] [--step-ms 20]
+    python -m bench.fabric [--quick] [--step-ms 20]
 
 Reports the token events one worker publishes per second (no step time: the fabric's own ceiling),
 requests per second through one Redis (one-token requests), and throughput with 1, 2 and 4 worker
@@ -25,83 +26,10 @@ from tqdm import tqdm
 from bench.workload import print_json
 from client import AsyncClient
 from client.store import Keys
+from tests.scripted_engine import ScriptedEngine
 from worker.embedded_redis import RedisServer
 
 KEYS = Keys("default")
-
-
-class ScriptedEngine:
-    """Stands in for `worker.engine.Engine`: every `step_s`, each running request gets one token."""
-
-    def __init__(self, step_s: float, max_running: int) -> None:
-        from worker.engine import EngineConfig
-        from worker.engine.stats import StepCounters
-
-        self.config = EngineConfig(max_running=max_running)
-        self.counters = StepCounters()
-        self.eos_token_ids: tuple[int, ...] = ()
-        self.alive = True
-        self._step_s = step_s
-        self._running: dict[str, tuple[Any, int]] = {}
-        self._task: asyncio.Task[None] | None = None
-
-    def submit(self, request: Any) -> Any:
-        from worker.engine import RequestStream
-        from worker.engine.inputs import PreparedRequest
-        from worker.engine.outputs import IncrementalDetokenizer
-
-        prepared = PreparedRequest(request.request_id, [1], request.params, prompt_tokens=1)
-        stream = RequestStream(prepared, IncrementalDetokenizer(_NoText(), []), kv_blocks=0)
-        self._running[request.request_id] = (stream, request.params.max_new_tokens)
-        if self._task is None:
-            self._task = asyncio.create_task(self._steps())
-        return stream
-
-    async def _steps(self) -> None:
-        from worker.engine import Finish, OutputDelta
-
-        while True:
-            await asyncio.sleep(self._step_s)
-            for request_id, (stream, left) in list(self._running.items()):
-                done = left == 1
-                stream.put(OutputDelta(request_id, [7], "x", Finish.LENGTH if done else None, 1))
-                if done:
-                    del self._running[request_id]
-                else:
-                    self._running[request_id] = (stream, left - 1)
-            self.counters.steps += 1
-
-    def cancel(self, request_id: str) -> bool:
-        return self._running.pop(request_id, None) is not None
-
-    def free_slots(self) -> int:
-        return max(0, self.config.max_running - len(self._running))
-
-    def stats(self) -> Any:
-        from worker.engine import EngineStats
-
-        return EngineStats(
-            kv_blocks_total=1,
-            kv_blocks_used=0,
-            kv_blocks_reserved=0,
-            page_size=1,
-            max_batch_tokens=1,
-            running=len(self._running),
-            waiting=0,
-            steps=self.counters.steps,
-            prefill_tokens=0,
-            decode_tokens=0,
-            batch_fill_p50=0.0,
-            batch_fill_p95=0.0,
-            batch_fill_p99=0.0,
-            requests_finished={},
-            restarts=0,
-        )
-
-
-class _NoText:
-    def decode(self, token_ids: Any, skip_special_tokens: bool = True) -> str:
-        return ""
 
 
 async def run_worker(url: str, step_s: float, max_running: int, name: str) -> None:
@@ -125,7 +53,7 @@ async def run_worker(url: str, step_s: float, max_running: int, name: str) -> No
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     async with Redis.from_url(url) as redis:
-        await Worker(settings, ScriptedEngine(step_s, max_running), redis).run(stop)  # type: ignore[arg-type]
+        await Worker(settings, ScriptedEngine(step_s=step_s, max_running=max_running), redis).run(stop)
 
 
 async def measure(url: str, requests: int, tokens: int, label: str) -> tuple[float, int]:
@@ -155,7 +83,7 @@ def start_workers(url: str, count: int, step_s: float, max_running: int, logs: P
             [
                 sys.executable,
                 "-m",
-                "bench.queue",
+                "bench.fabric",
                 "--worker",
                 url,
                 "--step-ms",
@@ -189,7 +117,7 @@ async def with_workers(url: str, count: int, step_s: float, max_running: int, lo
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    root = Path(tempfile.mkdtemp(prefix="llmq-bench-queue-"))
+    root = Path(tempfile.mkdtemp(prefix="llmq-bench-fabric-"))
     server = RedisServer(root / "redis").start()
     scale = 0.25 if args.quick else 1.0
     figures: dict[str, Any] = {"step_ms": args.step_ms}
