@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from worker.engine.interface import GenerationEngine
+from worker.publisher import PublisherStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -47,6 +48,11 @@ class _EngineCollector(Collector):
         yield gauge("llmq:num_requests_waiting", "Requests accepted but waiting for KV blocks.", stats.waiting)
         yield gauge("llmq:kv_cache_usage_perc", "KV cache blocks in use, 0 to 1.", stats.kv_usage)
         yield gauge("llmq:kv_cache_blocks_total", "KV cache size in blocks.", stats.kv_blocks_total)
+        yield gauge(
+            "llmq:kv_cache_blocks_reserved",
+            "KV blocks reserved for admitted requests' worst case.",
+            stats.kv_blocks_reserved,
+        )
         yield counter("llmq:prompt_tokens", "Prefill tokens processed.", stats.prefill_tokens)
         yield counter("llmq:generation_tokens", "Decode tokens processed.", stats.decode_tokens)
         yield counter("llmq:engine_steps", "Forward steps run.", stats.steps)
@@ -59,6 +65,27 @@ class _EngineCollector(Collector):
         for reason, count in sorted(stats.requests_finished.items()):
             finished.add_metric([*values, reason], count)
         yield finished
+
+
+class _PublisherCollector(Collector):
+    """The publisher's counters at scrape time."""
+
+    def __init__(self, stats: PublisherStats, labels: dict[str, str]) -> None:
+        self._stats = stats
+        self._labels = labels
+
+    def collect(self) -> Iterator[Any]:
+        stats, names, values = self._stats, list(self._labels), list(self._labels.values())
+        for name, doc, value in (
+            ("llmq:result_flushes", "Script calls that wrote result events (one per flush).", stats.flushes),
+            ("llmq:result_events", "Result events written (token chunks and terminal events).", stats.events),
+            ("llmq:result_write_failures", "Flushes Redis failed as a whole (retried).", stats.failures),
+            ("llmq:fenced_writes", "Requests whose writes were refused: another attempt owns them.", stats.fenced),
+            ("llmq:refused_requests", "Requests whose result keys Redis refused (dead-lettered).", stats.refused),
+        ):
+            family = CounterMetricFamily(name, doc, labels=names)
+            family.add_metric(values, value)
+            yield family
 
 
 class Metrics:
@@ -105,6 +132,9 @@ class Metrics:
         self.registry.register(_EngineCollector(engine, labels))
         max_batch_tokens = engine.stats().max_batch_tokens
         engine.observe_steps(lambda tokens: self.batch_fill.observe(tokens / max_batch_tokens))
+
+    def watch_publisher(self, stats: PublisherStats) -> None:
+        self.registry.register(_PublisherCollector(stats, self._labels))
 
     def serve(self, port: int, address: str = "0.0.0.0") -> None:
         """Serves `/metrics` over HTTP from a daemon thread."""

@@ -62,6 +62,7 @@ class Worker:
         )
         self.log = get_logger(worker=settings.worker_id, queue=settings.queue)
         self.metrics = Metrics(engine, settings.queue, settings.model)
+        self.metrics.watch_publisher(self.publisher.stats)
         self.heartbeat = Heartbeat(
             redis, self.keys, settings, engine, self.metrics, lambda: self.publisher.stats.tokens, self.log
         )

@@ -49,7 +49,12 @@ async def test_metrics_follow_what_was_served(start_worker: Any, client: AsyncCl
     assert metrics["llmq:request_queue_time_seconds_count"] == 6
     assert metrics["llmq:inter_token_latency_seconds_count"] >= 5 * 7
     assert metrics["llmq:engine_restarts_total"] == 0 and metrics["llmq:claims_total"] == 0
+    published = running.worker.publisher.stats
+    assert metrics["llmq:result_events_total"] == published.events >= 6 * 2  # tokens and an end per request
+    assert 0 < metrics["llmq:result_flushes_total"] == published.flushes <= published.events
+    assert metrics["llmq:fenced_writes_total"] == metrics["llmq:refused_requests_total"] == 0
     # idle again: gauges back to zero
     assert metrics["llmq:num_requests_running"] == metrics["llmq:num_requests_waiting"] == 0
     assert metrics["llmq:kv_cache_usage_perc"] == 0 and metrics["llmq:kv_cache_blocks_total"] == 2048 // 16
+    assert metrics["llmq:kv_cache_blocks_reserved"] == 0
     assert metrics["llmq:queue_depth"] == metrics["llmq:queue_pending"] == metrics["llmq:queue_lag"] == 0
