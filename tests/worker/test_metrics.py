@@ -9,6 +9,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from client import AsyncClient
+from tests.polling import wait_until
 from worker.embedded_redis import free_port
 
 
@@ -34,8 +35,13 @@ async def test_metrics_follow_what_was_served(start_worker: Any, client: AsyncCl
     cancelled = await client.submit(input_ids=[9, 9], max_new_tokens=400, temperature=0, ignore_eos=True)
     async for _ in cancelled.stream(timeout=30):
         await cancelled.cancel()
-    await asyncio.sleep(0.6)  # a heartbeat refreshes the queue gauges
 
+    async def settled() -> bool:  # every request has ended, and a heartbeat has refreshed the queue gauges since
+        metrics = await asyncio.to_thread(scrape, port)
+        ended = metrics.get("llmq:e2e_request_latency_seconds_count") == 6 and metrics["llmq:num_requests_running"] == 0
+        return ended and metrics["llmq:queue_depth"] == metrics["llmq:queue_pending"] == 0
+
+    await wait_until(settled)
     metrics = await asyncio.to_thread(scrape, port)
     stats = running.worker.engine.stats()
     assert metrics["llmq:request_success_total{finished_reason=length}"] == 5

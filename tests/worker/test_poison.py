@@ -12,6 +12,7 @@ from redis.asyncio import Redis
 from client import AsyncClient, RequestFailed
 from client.store import CONSUMER_GROUP, Keys
 from tests import poison
+from tests.polling import wait_until
 from worker.engine import EngineRequest, GenerationParams
 from worker.engine.sampling import FusedSampler
 
@@ -54,9 +55,12 @@ async def run_mixed(workers: list[Any], client: AsyncClient, redis_url: str) -> 
     async with Redis.from_url(redis_url) as redis:
         letters = await redis.xrange(KEYS.dead)
         assert len(letters) == 1 and b"quarantined" in letters[0][1][b"m"]
-        await asyncio.sleep(0.2)
-        assert await redis.xlen(KEYS.requests) == 0
-        assert (await redis.xpending(KEYS.requests, CONSUMER_GROUP))["pending"] == 0
+
+        async def all_acknowledged() -> bool:
+            pending = (await redis.xpending(KEYS.requests, CONSUMER_GROUP))["pending"]
+            return await redis.xlen(KEYS.requests) == 0 and pending == 0
+
+        await wait_until(all_acknowledged)
 
 
 @pytest.mark.usefixtures("poisoned")
