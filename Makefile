@@ -22,6 +22,7 @@ install: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 test: lint
 	$(BIN)/python -m pytest

@@ -20,7 +20,7 @@ from worker.process import RedisUnavailable, serve  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = Settings(_cli_parse_args=sys.argv[1:] if argv is None else argv)
+    settings = Settings(_cli_parse_args=sys.argv[1:] if argv is None else argv)  # type: ignore[call-arg]
     try:
         asyncio.run(serve(settings))
     except RedisUnavailable as error:

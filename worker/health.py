@@ -27,7 +27,7 @@ def check(settings: Settings) -> str | None:
 
 
 def main() -> None:
-    problem = check(Settings(_cli_parse_args=False))
+    problem = check(Settings(_cli_parse_args=False))  # type: ignore[call-arg]  # pydantic-settings' init options
     if problem:
         print(problem, file=sys.stderr)
         sys.exit(1)

@@ -181,7 +181,7 @@ class Intake:
 
     async def read(self, count: int, block_ms: int) -> list[Decision]:
         """New entries, at most `count` (the engine's free slots), blocking at most `block_ms`."""
-        reply = await self._redis.xreadgroup(
+        reply: Any = await self._redis.xreadgroup(
             CONSUMER_GROUP, self._consumer, {self._keys.requests: ">"}, count=count, block=block_ms
         )
         return [decide(entry_id, fields, self._limits) for _, entries in reply or [] for entry_id, fields in entries]

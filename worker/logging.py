@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import structlog
@@ -16,7 +17,7 @@ def redact(text: str) -> str:
     return _URL_PASSWORD.sub(r"\1***@", text)
 
 
-def _redact_secrets(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+def _redact_secrets(_: Any, __: str, event: MutableMapping[str, Any]) -> Mapping[str, Any]:
     return {key: redact(value) if isinstance(value, str) else value for key, value in event.items()}
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -145,8 +146,9 @@ class Publisher:
             else:
                 self._idle.set()
 
-    async def _send(self, batch: list[_Pending]) -> list[int]:
-        keys, args = [self._keys.requests], [CONSUMER_GROUP]
+    async def _send(self, batch: list[_Pending]) -> list[int | bytes]:
+        keys: list[str] = [self._keys.requests]
+        args: list[Any] = [CONSUMER_GROUP]
         for item in batch:
             target = item.target
             keys += [self._keys.result(target.request_id), self._keys.fence(target.request_id)]
@@ -158,7 +160,8 @@ class Publisher:
     def _report(self, batch: list[_Pending], written: list[int | bytes]) -> None:
         self.stats.flushes += 1
         self.stats.events += len(batch)
-        fenced, failed = set(), {}
+        fenced: set[tuple[str, int | None]] = set()
+        failed: dict[Target, str] = {}
         for item, outcome in zip(batch, written, strict=True):
             if isinstance(outcome, bytes):
                 failed.setdefault(item.target, outcome.decode(errors="replace"))

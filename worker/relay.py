@@ -8,7 +8,7 @@ from structlog.typing import FilteringBoundLogger
 
 from client.protocol import DoneEvent, ErrorEvent, GenerateRequest, Timings, TokensEvent, Usage, ms_now
 from worker.adapter import wire_error
-from worker.engine import EngineClosed, EngineError, EngineFailed, RequestStream
+from worker.engine import DeltaStream, EngineClosed, EngineError, EngineFailed
 from worker.intake import Ready
 from worker.metrics import Metrics
 from worker.publisher import Publisher, Target
@@ -59,7 +59,7 @@ class Relay:
         self._log = log
         self._metrics = metrics
 
-    async def run(self, stream: RequestStream) -> EngineFailed | None:
+    async def run(self, stream: DeltaStream) -> EngineFailed | None:
         """Publishes the stream until it ends. Returns the engine failure it ended with, if any: the worker
         hands such a request back rather than answering it."""
         started_ms, first_ms, last_ms = ms_now(), None, None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -294,7 +295,7 @@ class Worker:
         tasks = [relay.task for relay in self.relays.values() if relay.task is not None]
         if tasks:
             self.log.info("draining", in_flight=len(tasks), timeout_s=self.settings.drain_timeout_s)
-            finished = asyncio.ensure_future(asyncio.gather(*tasks, return_exceptions=True))
+            finished: asyncio.Future[Any] = asyncio.gather(*tasks, return_exceptions=True)
             hurried = asyncio.ensure_future(hurry.wait())
             await asyncio.wait(
                 [finished, hurried], timeout=self.settings.drain_timeout_s, return_when=asyncio.FIRST_COMPLETED

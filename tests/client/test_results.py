@@ -12,7 +12,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from client import Cancelled, Delta, RequestExpired, RequestFailed, ResultTimeout, protocol, store
-from tests.client.twins import KEYS, Twin, TwinFactory, done, emit, tokens, wait_until
+from tests.client.twins import KEYS, Twin, TwinFactory, done, emit, tokens
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.redis
 

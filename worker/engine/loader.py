@@ -40,7 +40,7 @@ def load_model(spec: str = DEFAULT_MODEL, options: LoadOptions | None = None) ->
     tokenizer = AutoTokenizer.from_pretrained(str(source) if source.exists() else spec, **kwargs)
     if options.attn_implementation:
         kwargs["attn_implementation"] = options.attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(
         str(source) if source.exists() else spec, dtype=_torch_dtype(options), **kwargs
     )
     return model.to(options.device).eval(), tokenizer
