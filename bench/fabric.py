@@ -26,7 +26,6 @@ from tqdm import tqdm
 from bench.workload import print_json
 from client import AsyncClient
 from client.store import Keys
-from tests.scripted_engine import ScriptedEngine
 from worker.embedded_redis import RedisServer
 
 KEYS = Keys("default")
@@ -35,6 +34,9 @@ KEYS = Keys("default")
 async def run_worker(url: str, step_s: float, max_running: int, name: str) -> None:
     import signal
 
+    # Here, in the worker's process only: the client side of a benchmark must not carry torch's heap (its
+    # garbage collections stall the event loop for 100+ ms, which no real client process pays).
+    from tests.scripted_engine import ScriptedEngine
     from worker.config import Settings
     from worker.logging import configure
     from worker.service import Worker
@@ -58,7 +60,7 @@ async def run_worker(url: str, step_s: float, max_running: int, name: str) -> No
 
 async def measure(url: str, requests: int, tokens: int, label: str) -> tuple[float, int]:
     """Submits `requests` requests of `tokens` tokens at once; returns (seconds, token events in Redis)."""
-    async with AsyncClient(url, max_queue_len=0, max_connections=requests + 16) as client:
+    async with AsyncClient(url, max_queue_len=0) as client:
         progress = tqdm(total=requests, desc=label, unit="req", leave=False)
         start = time.perf_counter()
         jobs = await asyncio.gather(*(client.submit(input_ids=[1], max_new_tokens=tokens) for _ in range(requests)))

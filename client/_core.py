@@ -11,7 +11,6 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -43,10 +42,8 @@ from client.store import SUBMIT_FULL, Keys, Scripts
 log = logging.getLogger("llmq.client")
 
 DEFAULT_URL = "redis://localhost:6379/0"
-BLOCK_S = 2.0  # per XREAD; stays under redis-py's default 5 s socket timeout
-RECONNECT_BUDGET_S = 30.0  # how long a reader keeps retrying a lost connection
-BACKOFF_BASE_S = 0.05
-BACKOFF_CAP_S = 2.0
+DEFAULT_MAX_CONNECTIONS = 4  # for all of a client's work: one reader, submits, cancels
+POOL_WAIT_S = 60.0  # how long a call waits for a free connection before it fails
 
 
 def redact_url(url: str) -> str:
@@ -60,12 +57,14 @@ def redact_url(url: str) -> str:
 
 
 def connect_kwargs(url: str, ssl_ca_certs: str | None, redis_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Keyword arguments for redis-py's `from_url`; a CA file only makes sense with `rediss://`."""
+    """Keyword arguments for redis-py's `BlockingConnectionPool.from_url`: a small bounded pool whose callers
+    wait for a free connection; a CA file only makes sense with `rediss://`."""
+    kwargs = {"max_connections": DEFAULT_MAX_CONNECTIONS, "timeout": POOL_WAIT_S, **redis_kwargs}
     if ssl_ca_certs is None:
-        return redis_kwargs
+        return kwargs
     if urlsplit(url).scheme != "rediss":
         raise ValueError(f"ssl_ca_certs needs a rediss:// URL, not {redact_url(url)}")
-    return {**redis_kwargs, "ssl_ca_certs": ssl_ca_certs}
+    return {**kwargs, "ssl_ca_certs": ssl_ca_certs}
 
 
 def deadline_ms(deadline: float | timedelta | datetime | None, now_ms: int) -> int | None:
@@ -195,59 +194,31 @@ class ResultBuilder:
         return result
 
 
-def _stream_entries(reply: Any) -> Iterable[tuple[Any, Any]]:
-    """(entry id, fields) pairs of an XREAD reply for one stream, in RESP2 or RESP3 shape."""
-    streams = reply.values() if isinstance(reply, Mapping) else (entries for _key, entries in reply or ())
-    for entries in streams:
-        yield from entries
-
-
 class ResultReader:
-    """Read state of one result stream: where to resume, what was seen, when to retry or give up."""
+    """Read state of one result stream: where the next read starts, what was seen, and the caller's time."""
 
     def __init__(self, request_id: str, key: str) -> None:
         self.key = key
         self.last_id: bytes | str = b"0-0"
         self.builder = ResultBuilder(request_id)
-        self._failing_since: float | None = None
-        self._failures = 0
 
     @property
     def request_id(self) -> str:
         return self.builder.request_id
 
-    def block_ms(self, started: float, timeout: float | None, socket_timeout: float | None) -> int:
-        """How long the next XREAD may block; raise `ResultTimeout` when the caller's time is up."""
-        block = BLOCK_S if socket_timeout is None else min(BLOCK_S, socket_timeout / 2)
-        if timeout is not None:
-            remaining = timeout - (time.monotonic() - started)
-            if remaining <= 0:
-                raise ResultTimeout(self.request_id, timeout, len(self.builder.token_ids))
-            block = min(block, remaining)
-        return max(1, int(block * 1000))
-
-    def consume(self, reply: Any) -> list[Delta]:
-        """Feed an XREAD reply; remember the last entry id so a reconnect resumes after it."""
-        self._failing_since = None
-        deltas = []
-        for entry_id, fields in _stream_entries(reply):
-            self.last_id = entry_id
-            delta = self.builder.feed(decode_event(fields.get(ENTRY_FIELD)))
-            if delta is not None:
-                deltas.append(delta)
-        return deltas
-
-    def retry_delay(self, exc: Exception) -> float | None:
-        """Seconds to wait before reading again after a connection error; None once the budget is spent."""
-        now = time.monotonic()
-        if self._failing_since is None:
-            self._failing_since, self._failures = now, 0
-        if now - self._failing_since > RECONNECT_BUDGET_S:
+    def remaining_s(self, started: float, timeout: float | None) -> float | None:
+        """Seconds left of the caller's `timeout` (None: no limit); raises `ResultTimeout` once it is spent."""
+        if timeout is None:
             return None
-        delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**self._failures)
-        self._failures += 1
-        log.warning("request %s: reading results failed (%s); retrying in %.2f s", self.request_id, exc, delay)
-        return delay
+        remaining = timeout - (time.monotonic() - started)
+        if remaining <= 0:
+            raise ResultTimeout(self.request_id, timeout, len(self.builder.token_ids))
+        return remaining
+
+    def consume(self, entry_id: bytes | str, fields: dict[bytes, bytes]) -> Delta | None:
+        """Feed one entry; remember its id so a new follower resumes after it."""
+        self.last_id = entry_id
+        return self.builder.feed(decode_event(fields.get(ENTRY_FIELD)))  # type: ignore[arg-type]
 
 
 class BaseClient:
@@ -281,6 +252,7 @@ class BaseClient:
         self.limits = limits or RequestLimits()
         self.keys = Keys(queue, prefix)
         self._scripts = Scripts.register(conn)
+        self.client_id = uuid.uuid4().hex  # names this client's private wake stream
 
     def __repr__(self) -> str:
         where = redact_url(self._url) if self._url else "<redis client>"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
@@ -14,8 +15,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from client._core import DEFAULT_URL, BaseClient, BaseJob, Delta, Result, connect_kwargs
+from client._mux import ENTRIES_PER_STREAM, IDLE_WAIT_S, WAKE_DELAY_S, WAKE_MAXLEN, WAKE_TTL_S, Follower, MuxCore
 from client.protocol import DEFAULT_PREFIX, ChatMessage, RequestLimits
-from client.store import QueueStatus, queue_cancel_commands, queue_status_commands, status_from_replies
+from client.store import Keys, QueueStatus, queue_cancel_commands, queue_status_commands, status_from_replies
 
 _RECONNECTABLE = (RedisConnectionError, RedisTimeoutError)
 
@@ -30,7 +32,9 @@ class AsyncClient(BaseClient):
     :param limits: checked before submitting (default `RequestLimits()`); workers enforce their own too.
     :param redis: an existing `redis.asyncio.Redis` (decode_responses=False) to use instead of `url`;
         it is not closed by `aclose`.
-    :param redis_kwargs: passed to `redis.asyncio.Redis.from_url`.
+    :param redis_kwargs: passed to `redis.asyncio.BlockingConnectionPool.from_url`; by default the client
+        holds at most 4 connections (`max_connections`) for all its work: one reader follows every awaited
+        job's result stream, and calls wait for a free connection rather than fail.
     """
 
     _redis: aioredis.Redis
@@ -49,7 +53,10 @@ class AsyncClient(BaseClient):
         **redis_kwargs: Any,
     ) -> None:
         own = redis is None
-        conn = aioredis.Redis.from_url(url, **connect_kwargs(url, ssl_ca_certs, redis_kwargs)) if own else redis
+        if redis is None:
+            pool = aioredis.BlockingConnectionPool.from_url(url, **connect_kwargs(url, ssl_ca_certs, redis_kwargs))
+            redis = aioredis.Redis.from_pool(pool)
+        conn = redis
         super().__init__(
             conn,
             url=url if own else None,
@@ -60,10 +67,20 @@ class AsyncClient(BaseClient):
             result_ttl=result_ttl,
             limits=limits,
         )
+        self._muxes: dict[str, AsyncResultMux] = {}
 
     async def aclose(self) -> None:
+        for mux in self._muxes.values():
+            await mux.aclose()
         if self._owns_conn:
             await self._redis.aclose()
+
+    def _mux(self, keys: Keys) -> AsyncResultMux:
+        """The result reader of a queue (its keys share one hash slot, so one XREAD reads them all)."""
+        mux = self._muxes.get(keys.tag)
+        if mux is None:
+            mux = self._muxes[keys.tag] = AsyncResultMux(self._redis, keys, self.client_id)
+        return mux
 
     async def __aenter__(self) -> Self:
         return self
@@ -146,20 +163,25 @@ class AsyncJob(BaseJob):
     async def stream(self, timeout: float | None = None) -> AsyncIterator[Delta]:  # noqa: ASYNC109
         """New output as it arrives. Ends after `done` (see `finish_reason`; a cancel just ends it),
         raises `RequestFailed` and subclasses on `error`, `ResultTimeout` after `timeout` seconds.
-        A lost connection is retried with backoff for about 30 s, resuming after the last entry read."""
+        The client's reader follows the stream (with every other awaited job's, over one connection); a lost
+        connection is retried with backoff for about 30 s, resuming after the last entry read."""
         reader, started = self._reader, time.monotonic()
-        while not reader.builder.finished:
-            block = reader.block_ms(started, timeout, self._client.socket_timeout)
-            try:
-                reply = await self._client._redis.xread({reader.key: reader.last_id}, block=block)
-            except _RECONNECTABLE as exc:
-                delay = reader.retry_delay(exc)
-                if delay is None:
-                    raise
-                await asyncio.sleep(delay)
-                continue
-            for delta in reader.consume(reply):
-                yield delta
+        mux = self._client._mux(self.keys)
+        follower = mux.follow(reader.key, reader.last_id)
+        try:
+            while not reader.builder.finished:
+                remaining = reader.remaining_s(started, timeout)
+                try:
+                    item = await asyncio.wait_for(follower.inbox.get(), remaining)
+                except TimeoutError:
+                    continue  # the next round raises ResultTimeout
+                if isinstance(item, BaseException):
+                    raise item
+                delta = reader.consume(*item)
+                if delta is not None:
+                    yield delta
+        finally:
+            mux.unfollow(follower)
         reader.builder.raise_for_error()
 
     async def result(self, timeout: float | None = None) -> Result:  # noqa: ASYNC109
@@ -173,3 +195,89 @@ class AsyncJob(BaseJob):
         pipe = self._client._redis.pipeline(transaction=True)
         queue_cancel_commands(pipe, self.keys, self.id, self._client.result_ttl)
         await pipe.execute()
+
+
+class AsyncResultMux:
+    """One task reads the result streams of every job this client awaits on one queue, over one connection at
+    a time (`client._mux.MuxCore` decides what to read and routes it). Started by the first follower."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, client_id: str) -> None:
+        self._redis = redis
+        self._core = MuxCore(keys, client_id)
+        self._followed = asyncio.Event()
+        self._blocked = False  # in a blocking read: a new follower must wake it
+        self._task: asyncio.Task[None] | None = None
+
+    def follow(self, key: str, last_id: bytes | str) -> Follower:
+        follower = self._core.follow(key, last_id, asyncio.Queue())
+        self._followed.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._read_forever(), name=f"llmq-results-{self._core.wake_key}")
+        elif self._blocked:  # one wake for every job followed within WAKE_DELAY_S
+            self._blocked = False
+            wake = asyncio.create_task(self._wake())
+            wake.add_done_callback(lambda task: task.cancelled() or task.exception())
+        return follower
+
+    def unfollow(self, follower: Follower) -> None:
+        self._core.unfollow(follower)
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+
+    async def _wake(self) -> None:
+        await asyncio.sleep(WAKE_DELAY_S)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(self._core.wake_key, {b"w": b"1"}, maxlen=WAKE_MAXLEN, approximate=False)
+            pipe.expire(self._core.wake_key, WAKE_TTL_S)
+            await pipe.execute()
+
+    async def _read_forever(self) -> None:
+        core = self._core
+        while True:
+            if core.idle:
+                self._followed.clear()
+                await self._followed.wait()
+                continue
+            try:
+                await self._read_round()
+            except _RECONNECTABLE as exc:
+                delay = core.retry_delay(exc)
+                if delay is None:
+                    for follower in core.followers():
+                        follower.inbox.put_nowait(exc)
+                    return
+                await asyncio.sleep(delay)
+
+    async def _read_round(self) -> None:
+        core, chunks = self._core, self._core.reads()
+        socket_timeout = self._redis.connection_pool.connection_kwargs.get("socket_timeout")
+        if len(chunks) == 1:
+            self._blocked = True
+            try:
+                block = core.block_ms(socket_timeout)
+                reply = await self._redis.xread(chunks[0], count=ENTRIES_PER_STREAM, block=block)
+            finally:
+                self._blocked = False
+            self._deliver(core.route(reply))
+            return
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for chunk in chunks:
+                pipe.xread(chunk, count=ENTRIES_PER_STREAM)
+            replies = await pipe.execute()
+        routed = [item for reply in replies for item in core.route(reply)]
+        self._deliver(routed)
+        if not routed:  # nothing can block on every chunk: wait on the wake stream a little
+            self._blocked = True
+            try:
+                core.route(await self._redis.xread(core.wake_read(), block=max(1, int(IDLE_WAIT_S * 1000))))
+            finally:
+                self._blocked = False
+
+    @staticmethod
+    def _deliver(routed: list[tuple[Follower, bytes, dict[bytes, bytes]]]) -> None:
+        for follower, entry_id, fields in routed:
+            follower.inbox.put_nowait((entry_id, fields))

@@ -71,6 +71,10 @@ class Keys:
         """Idempotency marker set by the submit script; lives for the request's `result_ttl`."""
         return f"{self.tag}:id:{request_id}"
 
+    def wake(self, client_id: str) -> str:
+        """A client's private stream: appending to it ends the client's blocking read of result streams."""
+        return f"{self.tag}:wake:{client_id}"
+
     def fence(self, request_id: str) -> str:
         """Workers' hash of one request: the `Fence` fields."""
         return f"{self.tag}:fence:{request_id}"

@@ -5,19 +5,24 @@ Thread-safe as redis-py's client is: one `Client` may serve many threads.
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
 import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, Self
 
-from redis import Redis
+from redis import BlockingConnectionPool, Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from client._core import DEFAULT_URL, BaseClient, BaseJob, Delta, Result, connect_kwargs
+from client._mux import ENTRIES_PER_STREAM, IDLE_WAIT_S, WAKE_DELAY_S, WAKE_MAXLEN, WAKE_TTL_S, Follower, MuxCore
 from client.protocol import DEFAULT_PREFIX, ChatMessage, RequestLimits
-from client.store import QueueStatus, queue_cancel_commands, queue_status_commands, status_from_replies
+from client.store import Keys, QueueStatus, queue_cancel_commands, queue_status_commands, status_from_replies
 
 _RECONNECTABLE = (RedisConnectionError, RedisTimeoutError)
 
@@ -32,7 +37,9 @@ class Client(BaseClient):
     :param limits: checked before submitting (default `RequestLimits()`); workers enforce their own too.
     :param redis: an existing `redis.Redis` (decode_responses=False) to use instead of `url`;
         it is not closed by `close`.
-    :param redis_kwargs: passed to `redis.Redis.from_url`.
+    :param redis_kwargs: passed to `redis.BlockingConnectionPool.from_url`; by default the client holds at
+        most 4 connections (`max_connections`) for all its work, whatever the number of threads: one reader
+        thread follows every awaited job's result stream, and calls wait for a free connection.
     """
 
     _redis: Redis
@@ -51,7 +58,11 @@ class Client(BaseClient):
         **redis_kwargs: Any,
     ) -> None:
         own = redis is None
-        conn = Redis.from_url(url, **connect_kwargs(url, ssl_ca_certs, redis_kwargs)) if own else redis
+        if redis is None:
+            redis = Redis.from_pool(
+                BlockingConnectionPool.from_url(url, **connect_kwargs(url, ssl_ca_certs, redis_kwargs))
+            )
+        conn = redis
         super().__init__(
             conn,
             url=url if own else None,
@@ -62,10 +73,22 @@ class Client(BaseClient):
             result_ttl=result_ttl,
             limits=limits,
         )
+        self._muxes: dict[str, ResultMux] = {}
+        self._muxes_lock = threading.Lock()
 
     def close(self) -> None:
+        for mux in self._muxes.values():
+            mux.close()
         if self._owns_conn:
             self._redis.close()
+
+    def _mux(self, keys: Keys) -> ResultMux:
+        """The result reader of a queue (its keys share one hash slot, so one XREAD reads them all)."""
+        with self._muxes_lock:
+            mux = self._muxes.get(keys.tag)
+            if mux is None:
+                mux = self._muxes[keys.tag] = ResultMux(self._redis, keys, self.client_id)
+            return mux
 
     def __enter__(self) -> Self:
         return self
@@ -146,19 +169,25 @@ class Job(BaseJob):
     def stream(self, timeout: float | None = None) -> Iterator[Delta]:
         """New output as it arrives. Ends after `done` (see `finish_reason`; a cancel just ends it),
         raises `RequestFailed` and subclasses on `error`, `ResultTimeout` after `timeout` seconds.
-        A lost connection is retried with backoff for about 30 s, resuming after the last entry read."""
+        The client's reader thread follows the stream (with every other awaited job's, over one connection); a
+        lost connection is retried with backoff for about 30 s, resuming after the last entry read."""
         reader, started = self._reader, time.monotonic()
-        while not reader.builder.finished:
-            block = reader.block_ms(started, timeout, self._client.socket_timeout)
-            try:
-                reply = self._client._redis.xread({reader.key: reader.last_id}, block=block)
-            except _RECONNECTABLE as exc:
-                delay = reader.retry_delay(exc)
-                if delay is None:
-                    raise
-                time.sleep(delay)
-                continue
-            yield from reader.consume(reply)
+        mux = self._client._mux(self.keys)
+        follower = mux.follow(reader.key, reader.last_id)
+        try:
+            while not reader.builder.finished:
+                remaining = reader.remaining_s(started, timeout)
+                try:
+                    item = follower.inbox.get(timeout=remaining)
+                except queue.Empty:
+                    continue  # the next round raises ResultTimeout
+                if isinstance(item, BaseException):
+                    raise item
+                delta = reader.consume(*item)
+                if delta is not None:
+                    yield delta
+        finally:
+            mux.unfollow(follower)
         reader.builder.raise_for_error()
 
     def result(self, timeout: float | None = None) -> Result:
@@ -172,3 +201,101 @@ class Job(BaseJob):
         pipe = self._client._redis.pipeline(transaction=True)
         queue_cancel_commands(pipe, self.keys, self.id, self._client.result_ttl)
         pipe.execute()
+
+
+class ResultMux:
+    """One daemon thread reads the result streams of every job this client awaits on one queue, over one
+    connection at a time (`client._mux.MuxCore` decides what to read and routes it). Started by the first
+    follower; any thread may follow and unfollow."""
+
+    def __init__(self, redis: Redis, keys: Keys, client_id: str) -> None:
+        self._redis = redis
+        self._core = MuxCore(keys, client_id)
+        self._lock = threading.Lock()  # guards the core: followers come and go from any thread
+        self._followed = threading.Condition(self._lock)
+        self._blocked = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def follow(self, key: str, last_id: bytes | str) -> Follower:
+        with self._lock:
+            follower = self._core.follow(key, last_id, queue.Queue())
+            self._followed.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._read_forever, name="llmq-results", daemon=True)
+                self._thread.start()
+            wake, self._blocked = self._blocked, False
+        if wake:  # one wake for every job followed within WAKE_DELAY_S
+            timer = threading.Timer(WAKE_DELAY_S, self._wake)
+            timer.daemon = True
+            timer.start()
+        return follower
+
+    def _wake(self) -> None:
+        with contextlib.suppress(RedisError), self._redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(self._core.wake_key, {b"w": b"1"}, maxlen=WAKE_MAXLEN, approximate=False)
+            pipe.expire(self._core.wake_key, WAKE_TTL_S)
+            pipe.execute()
+
+    def unfollow(self, follower: Follower) -> None:
+        with self._lock:
+            self._core.unfollow(follower)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._followed.notify()
+
+    def _read_forever(self) -> None:
+        core = self._core
+        while True:
+            with self._lock:
+                while core.idle and not self._closed:
+                    self._followed.wait()
+                if self._closed:
+                    return
+            try:
+                self._read_round()
+            except _RECONNECTABLE as exc:
+                with self._lock:
+                    if self._closed:
+                        return
+                    delay = core.retry_delay(exc)
+                    if delay is None:
+                        for follower in core.followers():
+                            follower.inbox.put(exc)
+                        self._thread = None
+                        return
+                time.sleep(delay)
+            except Exception as exc:  # the pool was closed under us, say: tell every reader, then stop
+                with self._lock:
+                    for follower in core.followers():
+                        follower.inbox.put(exc)
+                    self._thread = None
+                return
+
+    def _read_round(self) -> None:
+        core = self._core
+        with self._lock:
+            chunks = core.reads()
+            self._blocked = len(chunks) == 1
+        socket_timeout = self._redis.connection_pool.connection_kwargs.get("socket_timeout")
+        try:
+            if len(chunks) == 1:
+                replies = [self._redis.xread(chunks[0], count=ENTRIES_PER_STREAM, block=core.block_ms(socket_timeout))]
+            else:
+                with self._redis.pipeline(transaction=False) as pipe:
+                    for chunk in chunks:
+                        pipe.xread(chunk, count=ENTRIES_PER_STREAM)
+                    replies = pipe.execute()
+        finally:
+            with self._lock:
+                self._blocked = False
+        with self._lock:
+            routed = [item for reply in replies for item in core.route(reply)]
+        for follower, entry_id, fields in routed:
+            follower.inbox.put((entry_id, fields))
+        if not routed and len(chunks) > 1:  # nothing can block on every chunk: wait on the wake stream a little
+            reply = self._redis.xread(core.wake_read(), block=max(1, int(IDLE_WAIT_S * 1000)))
+            with self._lock:
+                core.route(reply)

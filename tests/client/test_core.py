@@ -27,7 +27,9 @@ from client import (
     error_from_event,
 )
 from client import _core as core
+from client import _mux as mux
 from client._core import ResultBuilder, ResultReader, deadline_ms, redact_url
+from client._mux import MuxCore
 from client.protocol import (
     ChatMessage,
     DoneEvent,
@@ -38,6 +40,7 @@ from client.protocol import (
     decode_request,
     encode,
 )
+from client.store import Keys
 
 
 def chunk(seq: int, ids: list[int], text: str) -> TokensEvent:
@@ -214,37 +217,61 @@ def test_result_timeout_says_what_it_waited_for() -> None:
     assert "'done' event after 7 tokens" in str(ResultTimeout("r1", 2.0, 7))
 
 
-def test_reader_retries_with_capped_backoff_then_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_reader_retries_with_capped_backoff_then_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [100.0]
-    monkeypatch.setattr(core.time, "monotonic", lambda: clock[0])
-    reader = ResultReader("r", "k")
-    delays = [reader.retry_delay(ConnectionError("down")) for _ in range(8)]
-    assert delays[:3] == [0.05, 0.1, 0.2] and max(delays) == core.BACKOFF_CAP_S  # type: ignore[type-var]
-    clock[0] += core.RECONNECT_BUDGET_S + 1
-    assert reader.retry_delay(ConnectionError("still down")) is None
-    reader.consume([])  # a successful read resets the budget
-    assert reader.retry_delay(ConnectionError("again")) == 0.05
+    monkeypatch.setattr(mux.time, "monotonic", lambda: clock[0])
+    reading = MuxCore(Keys("default"), "c1")
+    delays = [reading.retry_delay(ConnectionError("down")) for _ in range(8)]
+    assert delays[:3] == [0.05, 0.1, 0.2] and max(delays) == mux.BACKOFF_CAP_S  # type: ignore[type-var]
+    clock[0] += mux.RECONNECT_BUDGET_S + 1
+    assert reading.retry_delay(ConnectionError("still down")) is None
+    reading.route([])  # a successful read resets the budget
+    assert reading.retry_delay(ConnectionError("again")) == 0.05
 
 
-def test_reader_block_stays_under_socket_and_caller_timeouts(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_reader_blocks_under_the_socket_timeout() -> None:
+    reading = MuxCore(Keys("default"), "c1")
+    assert reading.block_ms(None) == mux.BLOCK_S * 1000 and reading.block_ms(1.0) == 500
+
+
+def test_a_job_times_out_by_its_own_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [0.0]
     monkeypatch.setattr(core.time, "monotonic", lambda: clock[0])
     reader = ResultReader("r", "k")
-    assert reader.block_ms(0.0, None, None) == core.BLOCK_S * 1000
-    assert reader.block_ms(0.0, None, 1.0) == 500
-    assert reader.block_ms(0.0, 0.3, None) == 300
+    assert reader.remaining_s(0.0, None) is None and reader.remaining_s(0.0, 0.3) == 0.3
     clock[0] = 0.3
     with pytest.raises(ResultTimeout):
-        reader.block_ms(0.0, 0.3, None)
+        reader.remaining_s(0.0, 0.3)
 
 
-def test_reader_accepts_resp2_and_resp3_replies() -> None:
+def test_reads_are_chunked_and_carry_the_wake_stream() -> None:
+    keys = Keys("default")
+    reading = MuxCore(keys, "c1")
+    assert reading.reads() == [{keys.wake("c1"): "0-0"}]
+    followers = [reading.follow(keys.result(f"r{i}"), b"0-0", None) for i in range(mux.CHUNK_KEYS + 3)]
+    chunks = reading.reads()
+    assert [len(c) for c in chunks] == [mux.CHUNK_KEYS + 1, 3] and keys.wake("c1") in chunks[0]
+    for follower in followers:
+        reading.unfollow(follower)
+    assert reading.idle
+
+
+def test_entries_are_routed_past_each_followers_last_id_in_resp2_and_resp3() -> None:
+    keys = Keys("default")
+    reading = MuxCore(keys, "c1")
     event = {b"m": encode(chunk(0, [1], "a"))}
-    resp2 = ResultReader("r", "k")
-    assert [d.text for d in resp2.consume([[b"k", [(b"1-0", event)]]])] == ["a"]
-    assert resp2.last_id == b"1-0"
-    resp3 = ResultReader("r", "k")
-    assert [d.text for d in resp3.consume({b"k": [[b"2-0", event]]})] == ["a"]
+    early, late = reading.follow(keys.result("r"), b"0-0", "early"), reading.follow(keys.result("r"), b"9-0", "late")
+    assert reading.reads()[0][keys.result("r")] == "0-0"  # the slowest follower decides where to read from
+    key = keys.result("r").encode()
+    routed = reading.route([[key, [(b"9-0", event), (b"10-0", event)]]])  # 10-0 sorts after 9-0 as an id
+    assert [(f.inbox, entry_id) for f, entry_id, _ in routed] == [
+        ("early", b"9-0"),
+        ("early", b"10-0"),
+        ("late", b"10-0"),
+    ]
+    assert reading.route({key: [[b"10-0", event]]}) == []  # RESP3 shape; nothing new
+    reading.route({keys.wake("c1").encode(): [[b"5-1", {b"w": b"1"}]]})
+    assert reading.reads()[0][keys.wake("c1")] == "5-1" and early.last_id == late.last_id == (10, 0)
 
 
 # --- building requests (no Redis is touched) -----------------------------------------------------
