@@ -31,7 +31,7 @@ from worker.embedded_redis import RedisServer
 
 KEYS = Keys("default")
 STEP_S = 0.02
-WORKERS, SLOTS = 2, 1024
+WORKERS, SLOTS = 2, 64
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -53,43 +53,36 @@ class Sampler:
                 await asyncio.sleep(0.05)
 
 
-async def phase(url: str, jobs: int, tokens: int, multiplexed: bool) -> dict[str, Any]:
-    """Submits `jobs` jobs at once and reads every one to its end; returns the phase's figures."""
+async def phase(url: str, root: Path, jobs: int, tokens: int, multiplexed: bool) -> dict[str, Any]:
+    """Submits `jobs` jobs and starts reading every one of them, then starts the workers: all jobs are awaited
+    at once. Events per second count from the workers' start to the last job's end."""
     name = "bench-mux" if multiplexed else "bench-per-job"
-    lags: list[float] = []
-    events = 0
+    lags: list[float] = []  # per delivered delta; its first one starts the clock (workers start slowly)
+    first: list[float] = []
     stop = asyncio.Event()
     sampler = Sampler(url, name)
     sampling = asyncio.create_task(sampler.run(stop))
-    started = time.perf_counter()
     async with AsyncClient(url, max_queue_len=0, client_name=name) as client:
+        submitted = [await client.submit(input_ids=[1 + i % 300], max_new_tokens=tokens) for i in range(jobs)]
         if multiplexed:
 
             async def read(job: Any) -> int:
                 count = 0
                 async for _ in job.stream(timeout=600):
+                    if not first:
+                        first.append(time.perf_counter())
                     lags.append(ms_now() - parse_id(job._reader.last_id)[0])
                     count += 1
                 return count + 1  # the terminal event
 
-            readers = [
-                asyncio.create_task(read(await client.submit(input_ids=[1 + i % 300], max_new_tokens=tokens)))
-                for i in range(jobs)
-            ]
-            counts = await asyncio.gather(*readers)
+            readers = [asyncio.create_task(read(job)) for job in submitted]
+            counts = await run_workers(url, root, readers)
         else:
             pool = BlockingConnectionPool.from_url(url, max_connections=jobs + 16, timeout=600, client_name=name)
             async with Redis.from_pool(pool) as per_job:
-                readers = [
-                    asyncio.create_task(
-                        read_alone(
-                            per_job, (await client.submit(input_ids=[1 + i % 300], max_new_tokens=tokens)).id, lags
-                        )
-                    )
-                    for i in range(jobs)
-                ]
-                counts = await asyncio.gather(*readers)
-    elapsed = time.perf_counter() - started
+                readers = [asyncio.create_task(read_alone(per_job, job.id, lags, first)) for job in submitted]
+                counts = await run_workers(url, root, readers)
+    elapsed = time.perf_counter() - first[0]
     stop.set()
     await sampling
     events = sum(counts)
@@ -104,7 +97,17 @@ async def phase(url: str, jobs: int, tokens: int, multiplexed: bool) -> dict[str
     }
 
 
-async def read_alone(redis: Redis, request_id: str, lags: list[float]) -> int:
+async def run_workers(url: str, root: Path, readers: list[asyncio.Task[int]]) -> list[int]:
+    """Starts the workers once every reader follows its job; returns each reader's event count."""
+    await asyncio.sleep(0.5)  # every reader has made its first read (the work is queued, nothing is published)
+
+    async def finish() -> list[int]:
+        return list(await asyncio.gather(*readers))
+
+    return await with_workers(url, WORKERS, STEP_S, SLOTS, root, finish)
+
+
+async def read_alone(redis: Redis, request_id: str, lags: list[float], first: list[float]) -> int:
     """The previous design: this job's own blocking XREAD loop (and so its own connection)."""
     reader = ResultReader(request_id, KEYS.result(request_id))
     count = 0
@@ -113,6 +116,8 @@ async def read_alone(redis: Redis, request_id: str, lags: list[float]) -> int:
         for _key, entries in reply or ():
             for entry_id, fields in entries:
                 if reader.consume(entry_id, fields) is not None:
+                    if not first:
+                        first.append(time.perf_counter())
                     lags.append(ms_now() - parse_id(entry_id)[0])
                 count += 1
     return count
@@ -122,11 +127,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="llmq-bench-client-"))
     server = RedisServer(root / "redis", "--maxclients", str(args.jobs + 1000)).start()
     try:
-        url, jobs, tokens = server.url, args.jobs, args.tokens
-        mux = await with_workers(url, WORKERS, STEP_S, SLOTS, root, lambda: phase(url, jobs, tokens, True))
-        async with Redis.from_url(url) as redis:
+        mux = await phase(server.url, root, args.jobs, args.tokens, multiplexed=True)
+        async with Redis.from_url(server.url) as redis:
             await redis.flushall()
-        alone = await with_workers(url, WORKERS, STEP_S, SLOTS, root, lambda: phase(url, jobs, tokens, False))
+        alone = await phase(server.url, root, args.jobs, args.tokens, multiplexed=False)
     finally:
         server.stop()
     for label, figures in (("multiplexed", mux), ("one connection per job", alone)):

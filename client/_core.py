@@ -274,6 +274,7 @@ class BaseClient:
         params: dict[str, Any],
         deadline: float | timedelta | datetime | None,
         request_id: str | None,
+        reply_to: str | None = None,
     ) -> GenerateRequest:
         """Validate locally (raising `InvalidRequest`, a ValueError) before anything touches Redis."""
         now = ms_now()
@@ -287,6 +288,7 @@ class BaseClient:
             "deadline": deadline_ms(deadline, now),
             "result_ttl": self.result_ttl,
             "submitted": now,
+            "reply_to": reply_to,
         }
         request = parse_request({k: v for k, v in fields.items() if v is not None})
         request.check_limits(self.limits)

@@ -106,6 +106,7 @@ class AsyncClient(BaseClient):
         queue: str | None = None,
         deadline: float | timedelta | datetime | None = None,
         request_id: str | None = None,
+        reply_to: str | None = None,
     ) -> AsyncJob:
         """Queue one request (exactly one of `prompt`, `messages`, `input_ids`) and return its job.
 
@@ -113,7 +114,9 @@ class AsyncClient(BaseClient):
         `BOUNDS`). Validation happens here, before Redis is touched (`InvalidRequest`, a ValueError). Submitting
         an id again is a no-op that returns a job following the first submission. `deadline` is seconds
         from now, a timedelta or a datetime; past it, workers answer `expired` instead of generating.
-        Raises `QueueFull` when the queue's backlog is at `max_queue_len`.
+        `reply_to` names a shared stream (`Keys.reply(name)`) that also receives the final result, for a
+        pipeline stage that reads completions with its own consumer group. Raises `QueueFull` when the
+        queue's backlog is at `max_queue_len`.
         """
         keys = self.keys_for(queue)
         request = self.build_request(
@@ -122,6 +125,7 @@ class AsyncClient(BaseClient):
             input_ids=input_ids,
             deadline=deadline,
             request_id=request_id,
+            reply_to=reply_to,
             params={
                 "max_new_tokens": max_new_tokens,
                 "temperature": temperature,

@@ -43,6 +43,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Bound",
     "ChatMessage",
+    "Completion",
     "DoneEvent",
     "ErrorCode",
     "ErrorEvent",
@@ -55,6 +56,7 @@ __all__ = [
     "TokensEvent",
     "Usage",
     "WorkerInfo",
+    "decode_completion",
     "decode_event",
     "decode_request",
     "decode_worker",
@@ -218,6 +220,8 @@ class GenerateRequest(_Wire):
     deadline: _EpochMs | None = None
     result_ttl: Annotated[int, Field(strict=True, ge=1, le=MAX_RESULT_TTL_S)] = 3600  # s
     submitted: _EpochMs
+    # The final result is also appended to the shared stream `{<queue>}:reply:<reply_to>` (`Completion`).
+    reply_to: Annotated[str, Field(pattern=f"^{_NAME_CHARS}$")] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
@@ -295,6 +299,23 @@ class ErrorEvent(_Wire):
     code: Annotated[ErrorCode | str, Field(union_mode="left_to_right")]
     message: str
     retryable: Annotated[bool, Field(strict=True)] = False
+
+
+class Completion(_Wire):
+    """A request's final result on its `reply_to` stream: `done` with the whole output, or `error`.
+
+    Appended in the same atomic write that publishes the terminal event on the request's own result stream,
+    which stays the source of truth; a consumer group reads completions at least once, so process them
+    idempotently by `id`."""
+
+    _hidden = frozenset({"text", "ids"})
+    v: _Version = PROTOCOL_VERSION
+    type: Literal["completion"] = "completion"
+    id: str
+    text: str = ""
+    ids: list[_Count] = Field(default_factory=list)
+    done: DoneEvent | None = None
+    error: ErrorEvent | None = None
 
 
 Event = Annotated[TokensEvent | DoneEvent | ErrorEvent, Field(discriminator="type")]
@@ -420,6 +441,15 @@ def decode_event(raw: bytes) -> TokensEvent | DoneEvent | ErrorEvent:
         return _EVENT.validate_python(data)
     except ValidationError as exc:
         raise MalformedEntry(f"invalid event: {_summarize(exc)}") from None
+
+
+def decode_completion(raw: bytes) -> Completion:
+    """An entry's `m` field on a `reply_to` stream."""
+    data = _unpack(raw)
+    try:
+        return Completion.model_validate(data)
+    except ValidationError as exc:
+        raise MalformedEntry(f"invalid completion: {_summarize(exc)}") from None
 
 
 def decode_worker(raw: bytes) -> WorkerInfo:

@@ -71,6 +71,10 @@ class Keys:
         """Idempotency marker set by the submit script; lives for the request's `result_ttl`."""
         return f"{self.tag}:id:{request_id}"
 
+    def reply(self, name: str) -> str:
+        """A shared stream of completions (`Completion`) of the requests submitted with `reply_to=name`."""
+        return f"{self.tag}:reply:{name}"
+
     def wake(self, client_id: str) -> str:
         """A client's private stream: appending to it ends the client's blocking read of result streams."""
         return f"{self.tag}:wake:{client_id}"
@@ -153,14 +157,15 @@ return handed
 
 
 # One call per flush, whatever it carries: packing and parsing a command per event was most of a busy
-# worker's time. KEYS: the request stream, then per event its result stream and fence hash.
-# ARGV: the group, then per event: attempt ('' = unfenced), ttl, event ('' = none: acknowledge only),
-# seq, size, entry id to acknowledge ('' = none). Returns per event 1 (written or already there), 0 (fenced),
-# or the error Redis gave for that event's keys alone (pcall): one request's broken key fails that request,
-# never the batch. An error that concerns the whole server (out of memory, read-only replica, loading...) fails
-# the call instead, so the batch stays queued and is retried.
+# worker's time. KEYS: the request stream, then per event its result stream, fence hash and reply stream (the
+# result stream again when it has none). ARGV: the group, the reply streams' MAXLEN, then per event: attempt
+# ('' = unfenced), ttl, event ('' = none: acknowledge only), seq, size, entry id to acknowledge ('' = none),
+# completion for the reply stream ('' = none; appended with the event, so exactly when the event is).
+# Returns per event 1 (written or already there), 0 (fenced), or the error Redis gave for that event's keys
+# alone (pcall): one request's broken key fails that request, never the batch. An error that concerns the whole
+# server (out of memory, read-only replica, loading...) fails the call instead, so the batch stays queued.
 PUBLISH = """
-local function publish(result, fence, attempt, ttl, event, seq, size, entry)
+local function publish(result, fence, reply, attempt, ttl, event, seq, size, entry, completion)
   local ok, write = 1, event ~= ''
   if attempt ~= '' then
     local current = redis.call('HMGET', fence, 'a', 'n')
@@ -177,6 +182,9 @@ local function publish(result, fence, attempt, ttl, event, seq, size, entry)
   if write then
     redis.call('XADD', result, '*', 'm', event)
     redis.call('EXPIRE', result, ttl)
+    if completion ~= '' then
+      redis.call('XADD', reply, 'MAXLEN', '~', ARGV[2], '*', 'm', completion)
+    end
   end
   if entry ~= '' then
     redis.call('XACK', KEYS[1], ARGV[1], entry)
@@ -186,13 +194,13 @@ local function publish(result, fence, attempt, ttl, event, seq, size, entry)
 end
 local server_wide = {'OOM', 'READONLY', 'LOADING', 'BUSY', 'MASTERDOWN', 'NOREPLICAS', 'MISCONF', 'CLUSTERDOWN'}
 local written, refused = {}, {}
-for i = 0, (#KEYS - 1) / 2 - 1 do
-  local result, a = KEYS[2 + 2 * i], 2 + 6 * i
+for i = 0, (#KEYS - 1) / 3 - 1 do
+  local result, a = KEYS[2 + 3 * i], 3 + 7 * i
   local outcome = refused[result]  -- a request refused once: its later events (and its ack) are not tried
   if not outcome then
     local done
-    done, outcome = pcall(publish, result, KEYS[3 + 2 * i],
-      ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5])
+    done, outcome = pcall(publish, result, KEYS[3 + 3 * i], KEYS[4 + 3 * i],
+      ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6])
     if not done then
       local message = type(outcome) == 'table' and outcome.err or tostring(outcome)
       for _, prefix in ipairs(server_wide) do

@@ -91,6 +91,7 @@ class Settings(BaseSettings):
         description="touched each heartbeat while Redis answers and the engine runs (`python -m worker.health`)",
     )
     dead_letter_maxlen: int = Field(10000, ge=1, description="dead-letter stream is trimmed to about this")
+    reply_maxlen: int = Field(100_000, ge=1, description="each reply_to stream is trimmed to about this")
     metrics_port: int = Field(9400, ge=0, le=65535, description="Prometheus /metrics port; 0 turns it off")
     metrics_address: str = Field("0.0.0.0", description="address the metrics endpoint listens on")
     log_format: Literal["console", "json"] = "console"

@@ -45,6 +45,7 @@ class Rejected:
     code: ErrorCode
     message: str
     result_ttl: int = 3600
+    reply_to: str | None = None  # known when the request itself could be read
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +72,6 @@ def decide(
         return DeadLetter(entry_id, b"", f"entry has no field {ENTRY_FIELD.decode()!r}")
     try:
         request = decode_request(raw)
-        request.check_limits(limits)
     except (UnsupportedVersion, InvalidRequest) as error:
         if error.request_id is None:
             return DeadLetter(entry_id, raw, str(error))
@@ -79,11 +79,15 @@ def decide(
         return Rejected(entry_id, error.request_id, code, str(error))
     except MalformedEntry as error:
         return DeadLetter(entry_id, raw, str(error))
+    try:
+        request.check_limits(limits)
+    except InvalidRequest as error:
+        code = ErrorCode.INVALID_REQUEST
+        return Rejected(entry_id, request.id, code, str(error), request.result_ttl, request.reply_to)
     expired = request.deadline is not None and request.deadline <= (now_ms if now_ms is not None else ms_now())
     if check_deadline and expired:
-        return Rejected(
-            entry_id, request.id, ErrorCode.EXPIRED, "the deadline passed before generation started", request.result_ttl
-        )
+        message = "the deadline passed before generation started"
+        return Rejected(entry_id, request.id, ErrorCode.EXPIRED, message, request.result_ttl, request.reply_to)
     return Accepted(entry_id, request)
 
 
@@ -219,8 +223,11 @@ class Intake:
             failure = next((a for a in answers if isinstance(a, Exception)), None)
             if failure is not None:
                 message = f"Redis refused this request's keys: {failure}"
+                request = item.request
                 refused.append(
-                    Rejected(item.entry_id, item.request.id, ErrorCode.INTERNAL, message, item.request.result_ttl)
+                    Rejected(
+                        item.entry_id, request.id, ErrorCode.INTERNAL, message, request.result_ttl, request.reply_to
+                    )
                 )
                 continue
             attempt, _, _, cancelled, events, (handed_back, failures, started) = answers

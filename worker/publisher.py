@@ -26,7 +26,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from client.protocol import DoneEvent, ErrorEvent, TokensEvent, encode
+from client.protocol import Completion, DoneEvent, ErrorEvent, TokensEvent, encode
 from client.store import CONSUMER_GROUP, Keys, Scripts
 
 # Anything Redis says goes back in the queue: an outage, a restart still loading, and also an answer like
@@ -44,6 +44,7 @@ class Target:
     ttl_s: int
     attempt: int | None = None
     entry_id: bytes = b""
+    reply_to: str | None = None  # also append the final result to this `reply_to` stream
 
 
 @dataclass(slots=True)
@@ -53,6 +54,7 @@ class _Pending:
     seq: int
     size: int
     final: bool = False  # acknowledges `target.entry_id` after the event
+    completion: bytes = b""  # for `target.reply_to`, appended with the event
 
 
 @dataclass
@@ -74,9 +76,11 @@ class Publisher:
         on_fenced: Callable[[str, int], None] | None = None,
         on_failed: Callable[[Target, str], None] | None = None,
         scripts: Scripts | None = None,
+        reply_maxlen: int = 100_000,
     ) -> None:
         self._redis = redis
         self._keys = keys
+        self._reply_maxlen = reply_maxlen
         self._scripts = scripts or Scripts.register(redis)
         self._queue: list[_Pending] = []
         self._wakeup = asyncio.Event()
@@ -97,9 +101,21 @@ class Publisher:
         self.stats.tokens += len(event.ids)
         self._put(_Pending(target, encode(event), event.seq, len(event.ids)))
 
-    def finish(self, target: Target, event: DoneEvent | ErrorEvent | None, seq: int = 0) -> None:
-        """The request's terminal event (after `seq` tokens), then its acknowledgement; no event: only the ack."""
-        self._put(_Pending(target, b"" if event is None else encode(event), seq, 1, final=True))
+    def finish(
+        self,
+        target: Target,
+        event: DoneEvent | ErrorEvent | None,
+        seq: int = 0,
+        output: tuple[str, list[int]] = ("", []),
+    ) -> None:
+        """The request's terminal event (after `seq` tokens), then its acknowledgement; no event: only the ack.
+        With `target.reply_to`, the whole `output` (text, token ids) goes to that stream in the same write."""
+        completion = b""
+        if target.reply_to is not None and event is not None:
+            text, ids = output
+            done, error = (event, None) if isinstance(event, DoneEvent) else (None, event)
+            completion = encode(Completion(id=target.request_id, text=text, ids=ids, done=done, error=error))
+        self._put(_Pending(target, b"" if event is None else encode(event), seq, 1, final=True, completion=completion))
 
     def _put(self, pending: _Pending) -> None:
         self._queue.append(pending)
@@ -148,13 +164,15 @@ class Publisher:
 
     async def _send(self, batch: list[_Pending]) -> list[int | bytes]:
         keys: list[str] = [self._keys.requests]
-        args: list[Any] = [CONSUMER_GROUP]
+        args: list[Any] = [CONSUMER_GROUP, self._reply_maxlen]
         for item in batch:
             target = item.target
-            keys += [self._keys.result(target.request_id), self._keys.fence(target.request_id)]
+            result = self._keys.result(target.request_id)
+            reply = self._keys.reply(target.reply_to) if target.reply_to is not None else result
+            keys += [result, self._keys.fence(target.request_id), reply]
             attempt = "" if target.attempt is None else target.attempt
             ack = target.entry_id if item.final else b""
-            args += [attempt, target.ttl_s, item.event, item.seq, item.size, ack]
+            args += [attempt, target.ttl_s, item.event, item.seq, item.size, ack, item.completion]
         return await self._scripts.publish(keys=keys, args=args)
 
     def _report(self, batch: list[_Pending], written: list[int | bytes]) -> None:

@@ -17,7 +17,7 @@ from worker.publisher import Publisher, Target
 def target_of(ready: Ready) -> Target:
     """Where a ready request's events go, fenced by its attempt."""
     request = ready.accepted.request
-    return Target(request.id, request.result_ttl, ready.attempt, ready.accepted.entry_id)
+    return Target(request.id, request.result_ttl, ready.attempt, ready.accepted.entry_id, request.reply_to)
 
 
 def done_event(
@@ -54,6 +54,7 @@ class Relay:
         self.target = target_of(ready)
         self.fenced = False  # another worker owns the request now: write nothing more
         self.tokens = len(ready.delivered_ids)
+        self.output = (ready.delivered_text, list(ready.delivered_ids))  # the whole output, for `reply_to`
         self.task: asyncio.Task[EngineFailed | None] | None = None
         self._publisher = publisher
         self._log = log
@@ -81,6 +82,8 @@ class Relay:
                         self.target, TokensEvent(seq=self.tokens, ids=delta.token_ids, text=delta.text)
                     )
                     self.tokens += len(delta.token_ids)
+                    if self.target.reply_to is not None:
+                        self.output = (self.output[0] + delta.text, self.output[1] + delta.token_ids)
                 if delta.finish_reason is not None:
                     reason = delta.finish_reason.value
                     event = done_event(
@@ -93,7 +96,7 @@ class Relay:
                         first_ms=first_ms,
                     )
                     self._metrics.e2e_latency.observe(max(0.0, (event.timings.total_ms or 0) / 1000))
-                    self._publisher.finish(self.target, event, seq=self.tokens)
+                    self._publisher.finish(self.target, event, seq=self.tokens, output=self.output)
                     self._log.info("finished", request_id=self.request.id, reason=reason, tokens=self.tokens)
         except EngineClosed:
             self._log.info("stopped by shutdown", request_id=self.request.id)
@@ -110,4 +113,4 @@ class Relay:
         """Ends the request with the wire error its engine error maps to."""
         wire = wire_error(error)
         event = ErrorEvent(code=wire.code, message=str(error), retryable=wire.retryable)
-        self._publisher.finish(self.target, event, seq=self.tokens)
+        self._publisher.finish(self.target, event, seq=self.tokens, output=self.output)

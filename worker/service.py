@@ -60,6 +60,7 @@ class Worker:
             on_fenced=self._fenced,
             on_failed=self._events_refused,
             scripts=scripts,
+            reply_maxlen=settings.reply_maxlen,
         )
         self.log = get_logger(worker=settings.worker_id, queue=settings.queue)
         self.metrics = Metrics(engine, settings.queue, settings.model)
@@ -174,7 +175,10 @@ class Worker:
     def _reject(self, decision: Rejected) -> None:
         self.log.info("rejected", request_id=decision.request_id, code=decision.code, reason=decision.message)
         event = ErrorEvent(code=decision.code, message=decision.message)
-        self.publisher.finish(Target(decision.request_id, decision.result_ttl, entry_id=decision.entry_id), event)
+        target = Target(
+            decision.request_id, decision.result_ttl, entry_id=decision.entry_id, reply_to=decision.reply_to
+        )
+        self.publisher.finish(target, event)
 
     async def _start(self, ready: Ready) -> None:
         request = ready.accepted.request
@@ -186,11 +190,12 @@ class Worker:
             running_here=request.id in self.relays,
         )
         delivered = len(ready.delivered_ids)
+        output = (ready.delivered_text, ready.delivered_ids)
         if isinstance(decision, Complete):
             event = None
             if decision.finish_reason is not None:
                 event = done_event(request, ready, decision.finish_reason, prompt_tokens=0, completion_tokens=delivered)
-            self.publisher.finish(target_of(ready), event, seq=delivered)
+            self.publisher.finish(target_of(ready), event, seq=delivered, output=output)
         elif isinstance(decision, Refuse):
             self.log.warning("refused", request_id=request.id, code=decision.code, reason=decision.reason)
             letter = DeadLetter(ready.accepted.entry_id, encode(request), decision.reason)
@@ -199,7 +204,7 @@ class Worker:
             if decision.code == ErrorCode.POISON_REQUEST:
                 self.metrics.quarantined.inc()
             error = ErrorEvent(code=decision.code, message=f"the request was refused: {decision.reason}")
-            self.publisher.finish(target_of(ready), error, seq=delivered)
+            self.publisher.finish(target_of(ready), error, seq=delivered, output=output)
         else:
             self._run(ready, decision)
 
