@@ -12,7 +12,7 @@ This package never imports torch or transformers; `client.protocol` is the wire 
 """
 
 from client import protocol, store
-from client._core import Delta, Result
+from client._core import Delta, Outcome, Result
 from client.aio import AsyncClient, AsyncJob
 from client.errors import (
     Cancelled,
@@ -43,6 +43,7 @@ __all__ = [
     "LLMQError",
     "LimitExceeded",
     "MalformedEntry",
+    "Outcome",
     "ProtocolError",
     "QueueFull",
     "QueueStatus",

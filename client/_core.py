@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from client.errors import Cancelled, InvalidRequest, MalformedEntry, QueueFull, ResultTimeout
+from client.errors import Cancelled, InvalidRequest, LLMQError, MalformedEntry, QueueFull, ResultTimeout
 from client.protocol import (
     ENTRY_FIELD,
     MAX_EPOCH_MS,
@@ -104,6 +104,20 @@ class Result:
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-able fields (for `llmq submit --json`)."""
         return {**asdict(self), "usage": self.usage.model_dump(), "timings": self.timings.model_dump()}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One request of `submit_many`: its position in the input, its id, and its result or its typed error
+    (`InvalidRequest` for a request refused before submitting, `RequestFailed`, `Cancelled`, `ResultTimeout`)."""
+
+    index: int
+    request_id: str | None
+    result: Result | None = None
+    error: LLMQError | None = None
+
+
+QUEUE_FULL_BACKOFF_S = (0.05, 2.0)  # submit_many waits, doubling, while the queue is full
 
 
 class ResultBuilder:

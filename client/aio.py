@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Mapping
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, Self
@@ -14,8 +13,18 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from client._core import DEFAULT_URL, BaseClient, BaseJob, Delta, Result, connect_kwargs
-from client._mux import ENTRIES_PER_STREAM, IDLE_WAIT_S, WAKE_DELAY_S, WAKE_MAXLEN, WAKE_TTL_S, Follower, MuxCore
+from client._core import DEFAULT_URL, QUEUE_FULL_BACKOFF_S, BaseClient, BaseJob, Delta, Outcome, Result, connect_kwargs
+from client._mux import (
+    BLOCK_S,
+    ENTRIES_PER_STREAM,
+    IDLE_WAIT_S,
+    WAKE_DELAY_S,
+    WAKE_MAXLEN,
+    WAKE_TTL_S,
+    Follower,
+    MuxCore,
+)
+from client.errors import LLMQError, QueueFull
 from client.protocol import DEFAULT_PREFIX, ChatMessage, RequestLimits
 from client.store import Keys, QueueStatus, queue_cancel_commands, queue_status_commands, status_from_replies
 
@@ -140,6 +149,51 @@ class AsyncClient(BaseClient):
         self.check_submitted(await self._scripts.submit(keys=script_keys, args=args), keys)
         return AsyncJob(self, request.id, keys)
 
+    async def submit_many(
+        self,
+        requests: Iterable[Mapping[str, Any]],
+        *,
+        window: int = 64,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> AsyncIterator[Outcome]:
+        """Submits `requests` (each the keyword arguments of `submit`) with at most `window` in flight, and
+        yields each one's `Outcome` as it completes, in completion order, in memory bounded by `window` for
+        any input size (the iterable is read lazily). While the queue is full it waits, never fails; a request
+        refused before submitting, or failing, is an outcome with its typed error, and the rest go on."""
+        if window < 1:
+            raise ValueError("window must be >= 1")
+        pending: set[asyncio.Task[Outcome]] = set()
+        try:
+            for index, options in enumerate(requests):
+                while len(pending) >= window:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        yield task.result()
+                pending.add(asyncio.create_task(self._one(index, options, timeout)))
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    yield task.result()
+        finally:
+            for task in pending:  # the caller stopped early: stop following (the requests themselves go on)
+                task.cancel()
+
+    async def _one(self, index: int, options: Mapping[str, Any], timeout: float | None) -> Outcome:  # noqa: ASYNC109
+        backoff = QUEUE_FULL_BACKOFF_S[0]
+        while True:
+            try:
+                job = await self.submit(**options)
+                break
+            except QueueFull:
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, QUEUE_FULL_BACKOFF_S[1])
+            except LLMQError as error:
+                return Outcome(index, options.get("request_id"), error=error)
+        try:
+            return Outcome(index, job.id, result=await job.result(timeout))
+        except LLMQError as error:
+            return Outcome(index, job.id, error=error)
+
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **options: Any) -> Result:  # noqa: ASYNC109
         """`submit(prompt, **options)`, then `result(timeout)`."""
         job = await self.submit(prompt, **options)
@@ -210,6 +264,7 @@ class AsyncResultMux:
         self._core = MuxCore(keys, client_id)
         self._followed = asyncio.Event()
         self._blocked = False  # in a blocking read: a new follower must wake it
+        self._closing = False
         self._task: asyncio.Task[None] | None = None
 
     def follow(self, key: str, last_id: bytes | str) -> Follower:
@@ -227,10 +282,11 @@ class AsyncResultMux:
         self._core.unfollow(follower)
 
     async def aclose(self) -> None:
+        """Stops the reader. Bounded: redis-py may turn a cancelled blocking read into another error."""
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
+            await asyncio.wait([self._task], timeout=BLOCK_S + 1)
 
     async def _wake(self) -> None:
         await asyncio.sleep(WAKE_DELAY_S)
@@ -241,7 +297,7 @@ class AsyncResultMux:
 
     async def _read_forever(self) -> None:
         core = self._core
-        while True:
+        while not self._closing:
             if core.idle:
                 self._followed.clear()
                 await self._followed.wait()
@@ -249,6 +305,8 @@ class AsyncResultMux:
             try:
                 await self._read_round()
             except _RECONNECTABLE as exc:
+                if self._closing:
+                    return
                 delay = core.retry_delay(exc)
                 if delay is None:
                     for follower in core.followers():

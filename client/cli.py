@@ -7,11 +7,13 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from redis.exceptions import RedisError
 
 from client._core import DEFAULT_URL, redact_url
+from client.batch import run_batch
 from client.errors import Cancelled, LLMQError
 from client.protocol import DEFAULT_PREFIX, SamplingParams, ms_now
 from client.store import QueueStatus
@@ -51,6 +53,20 @@ def _parser() -> argparse.ArgumentParser:
 
     cancel = commands.add_parser("cancel", parents=[common], help="cancel a request by id")
     cancel.add_argument("request_id")
+
+    batch = commands.add_parser(
+        "batch",
+        parents=[common],
+        help="run a JSONL file of OpenAI Batch API requests; rerun the same command to resume",
+        description="Runs each line of INPUT (OpenAI Batch API format: custom_id, method, url = "
+        "/v1/chat/completions or /v1/completions, body) through the queue and appends one OpenAI Batch output "
+        "line per custom_id to OUTPUT, as lines complete. Resumable and exactly once: rerunning the same "
+        "command skips the lines already in OUTPUT and re-attaches to those still running.",
+    )
+    batch.add_argument("input", type=Path, metavar="INPUT.jsonl")
+    batch.add_argument("-o", "--output", type=Path, required=True, metavar="OUTPUT.jsonl")
+    batch.add_argument("--window", type=int, default=256, help="requests in flight at once (default: %(default)s)")
+    batch.add_argument("--timeout", type=float, default=None, help="seconds to wait for each result")
     return parser
 
 
@@ -146,6 +162,14 @@ def _cancel(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def _batch(client: Client, args: argparse.Namespace) -> int:
+    if not args.input.is_file():
+        print(f"llmq: error: no such input file: {args.input}", file=sys.stderr)
+        return 2
+    failed = run_batch(client, args.input, args.output, window=args.window, timeout=args.timeout)
+    return 1 if failed else 0
+
+
 def _scrub(message: str, url: str) -> str:
     """Never print a password, even if a library echoes the URL."""
     password = urlsplit(url).password
@@ -154,7 +178,7 @@ def _scrub(message: str, url: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    run = {"submit": _submit, "status": _status, "cancel": _cancel}[args.command]
+    run = {"submit": _submit, "status": _status, "cancel": _cancel, "batch": _batch}[args.command]
     try:
         with Client(args.url, queue=args.queue, prefix=args.prefix) as client:
             return run(client, args)

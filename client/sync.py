@@ -9,7 +9,8 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, Self
@@ -19,8 +20,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from client._core import DEFAULT_URL, BaseClient, BaseJob, Delta, Result, connect_kwargs
+from client._core import DEFAULT_URL, QUEUE_FULL_BACKOFF_S, BaseClient, BaseJob, Delta, Outcome, Result, connect_kwargs
 from client._mux import ENTRIES_PER_STREAM, IDLE_WAIT_S, WAKE_DELAY_S, WAKE_MAXLEN, WAKE_TTL_S, Follower, MuxCore
+from client.errors import LLMQError, QueueFull
 from client.protocol import DEFAULT_PREFIX, ChatMessage, RequestLimits
 from client.store import Keys, QueueStatus, queue_cancel_commands, queue_status_commands, status_from_replies
 
@@ -147,6 +149,47 @@ class Client(BaseClient):
         script_keys, args = self.submit_args(request, keys)
         self.check_submitted(self._scripts.submit(keys=script_keys, args=args), keys)
         return Job(self, request.id, keys)
+
+    def submit_many(
+        self, requests: Iterable[Mapping[str, Any]], *, window: int = 64, timeout: float | None = None
+    ) -> Iterator[Outcome]:
+        """Submits `requests` (each the keyword arguments of `submit`) with at most `window` in flight, and
+        yields each one's `Outcome` as it completes, in completion order, in memory bounded by `window` for
+        any input size (the iterable is read lazily; `window` threads wait on results). While the queue is full
+        it waits, never fails; a request refused before submitting, or failing, is an outcome with its typed
+        error, and the rest go on."""
+        if window < 1:
+            raise ValueError("window must be >= 1")
+        with ThreadPoolExecutor(max_workers=window, thread_name_prefix="llmq-submit") as pool:
+            pending: set[Future[Outcome]] = set()
+            try:
+                for index, options in enumerate(requests):
+                    while len(pending) >= window:
+                        done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                        yield from (future.result() for future in done)
+                    pending.add(pool.submit(self._one, index, options, timeout))
+                while pending:
+                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    yield from (future.result() for future in done)
+            finally:
+                for future in pending:  # the caller stopped early: stop following (the requests themselves go on)
+                    future.cancel()
+
+    def _one(self, index: int, options: Mapping[str, Any], timeout: float | None) -> Outcome:
+        backoff = QUEUE_FULL_BACKOFF_S[0]
+        while True:
+            try:
+                job = self.submit(**options)
+                break
+            except QueueFull:
+                time.sleep(backoff)
+                backoff = min(2 * backoff, QUEUE_FULL_BACKOFF_S[1])
+            except LLMQError as error:
+                return Outcome(index, options.get("request_id"), error=error)
+        try:
+            return Outcome(index, job.id, result=job.result(timeout))
+        except LLMQError as error:
+            return Outcome(index, job.id, error=error)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **options: Any) -> Result:
         """`submit(prompt, **options)`, then `result(timeout)`."""

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
@@ -215,3 +216,16 @@ async def test_status_watch_redraws_with_token_rates(
     assert out.count("\x1b[H\x1b[2J") == 2 and sleeps == [0.5, 0.5]
     assert "11.1 tok/s" in out  # first frame: 100 tokens over the 9 s since start
     assert "200.0 tok/s" in out  # second frame: 200 more tokens in the 1 s between heartbeats
+
+
+def test_batch_help_says_how_to_resume(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["batch", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "INPUT.jsonl" in text and "--output" in text and "exactly once" in text and "rerunning" in text
+
+
+def test_batch_refuses_a_missing_input(tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["batch", str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--url", redis_url])
+    assert code == 2 and "no such input file" in capsys.readouterr().err
