@@ -60,5 +60,7 @@ def test_hostile_requests_are_answered_and_good_ones_are_unharmed(tmp_path: Path
         cluster.close()
     assert report.poison_answered == report.poison_sent == 17, report
     assert report.lost == report.wrong_outputs == report.gaps == report.duplicates == 0, report
-    assert report.engine_restarts <= 2, report  # one killer, quarantined after max_engine_failures (2)
+    # One killer, quarantined after max_engine_failures (2). A worker killed after its engine failed but before
+    # its hand-back counted the failure loses that count, so each kill may add one more failure.
+    assert report.engine_restarts <= 2 + report.kills, report
     assert report.stuck_workers == 0 and report.requests_left == 0 and report.unbounded_keys == 0, report
