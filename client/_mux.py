@@ -23,8 +23,6 @@ from client.store import Keys
 log = logging.getLogger("llmq.client")
 
 CHUNK_KEYS = 256  # result streams per XREAD
-HOT_ROUNDS = 16  # a stream with data in the last rounds (or just followed) is read every round
-COLD_PER_ROUND = 512  # of the idle streams (jobs still queued), this many are read per round, in turn
 ENTRIES_PER_STREAM = 512  # COUNT: a backlog is read in a few calls, never unbounded
 BLOCK_S = 2.0  # per blocking XREAD; stays under redis-py's default 5 s socket timeout
 IDLE_WAIT_S = 0.01  # with several chunks nothing can block on all of them: wait on the wake stream this long
@@ -67,10 +65,6 @@ class MuxCore:
     client_id: str
     _followers: dict[str, list[Follower]] = field(default_factory=dict)
     _wake_id: tuple[int, int] = (0, 0)
-    _round: int = 0
-    _active: dict[str, int] = field(default_factory=dict)  # key -> the last round it had data (or was followed)
-    _cold_cursor: int = 0
-    partial: bool = False  # the last `reads()` left idle streams for later rounds: do not block on it
     _failing_since: float | None = None
     _failures: int = 0
 
@@ -89,7 +83,6 @@ class MuxCore:
     def follow(self, key: str, last_id: bytes | str, inbox: Any) -> Follower:
         follower = Follower(key, parse_id(last_id), inbox)
         self._followers.setdefault(key, []).append(follower)
-        self._active[key] = self._round
         return follower
 
     def unfollow(self, follower: Follower) -> None:
@@ -98,25 +91,10 @@ class MuxCore:
             followers.remove(follower)
         if not followers:
             self._followers.pop(follower.key, None)
-            self._active.pop(follower.key, None)
 
     def reads(self) -> list[dict[KeyT, StreamIdT]]:
-        """The XREAD stream maps of the next round, chunked; the wake stream rides with the first chunk.
-
-        Streams with recent data are read every round; idle ones (jobs still queued, with thousands followed)
-        `COLD_PER_ROUND` at a time, in turn, so a round costs what the active jobs need, not what all do."""
-        self._round += 1
-        hot: list[tuple[str, tuple[int, int]]] = []
-        cold: list[tuple[str, tuple[int, int]]] = []
-        for key, followers in self._followers.items():
-            since = self._round - self._active.get(key, 0)
-            (hot if since <= HOT_ROUNDS else cold).append((key, min(f.last_id for f in followers)))
-        self.partial = len(cold) > COLD_PER_ROUND
-        if self.partial:
-            start = self._cold_cursor % len(cold)
-            cold = (cold[start:] + cold[:start])[:COLD_PER_ROUND]
-            self._cold_cursor = start + COLD_PER_ROUND
-        pending = hot + cold
+        """The XREAD stream maps of the next round, chunked; the wake stream rides with the first chunk."""
+        pending = [(key, min(f.last_id for f in followers)) for key, followers in self._followers.items()]
         chunks: list[dict[KeyT, StreamIdT]] = []
         for start in range(0, len(pending), CHUNK_KEYS):
             chunks.append({key: f"{ms}-{seq}" for key, (ms, seq) in pending[start : start + CHUNK_KEYS]})
@@ -140,8 +118,6 @@ class MuxCore:
             if name == self.wake_key:
                 self._wake_id = max(self._wake_id, *(parse_id(entry_id) for entry_id, _ in entries))
                 continue
-            if entries and name in self._active:
-                self._active[name] = self._round
             for follower in self._followers.get(name, ()):
                 for entry_id, fields in entries:
                     parsed = parse_id(entry_id)

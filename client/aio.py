@@ -317,7 +317,7 @@ class AsyncResultMux:
     async def _read_round(self) -> None:
         core, chunks = self._core, self._core.reads()
         socket_timeout = self._redis.connection_pool.connection_kwargs.get("socket_timeout")
-        if len(chunks) == 1 and not core.partial:  # every followed stream is in this read: block on it
+        if len(chunks) == 1:
             self._blocked = True
             try:
                 block = core.block_ms(socket_timeout)

@@ -325,11 +325,10 @@ class ResultMux:
         core = self._core
         with self._lock:
             chunks = core.reads()
-            blocking = len(chunks) == 1 and not core.partial  # every followed stream is in this read
-            self._blocked = blocking
+            self._blocked = len(chunks) == 1
         socket_timeout = self._redis.connection_pool.connection_kwargs.get("socket_timeout")
         try:
-            if blocking:
+            if len(chunks) == 1:
                 replies = [self._redis.xread(chunks[0], count=ENTRIES_PER_STREAM, block=core.block_ms(socket_timeout))]
             else:
                 with self._redis.pipeline(transaction=False) as pipe:
@@ -343,7 +342,7 @@ class ResultMux:
             routed = [item for reply in replies for item in core.route(reply)]
         for follower, entry_id, fields in routed:
             follower.inbox.put((entry_id, fields))
-        if not routed and not blocking:  # nothing can block on every stream: wait on the wake stream a little
+        if not routed and len(chunks) > 1:  # nothing can block on every chunk: wait on the wake stream a little
             reply = self._redis.xread(core.wake_read(), block=max(1, int(IDLE_WAIT_S * 1000)))
             with self._lock:
                 core.route(reply)

@@ -348,20 +348,3 @@ def test_ssl_ca_certs_needs_rediss() -> None:
     tls = Client("rediss://:pw@localhost/0", ssl_ca_certs="/etc/ca.pem")
     assert tls._redis.connection_pool.connection_kwargs["ssl_ca_certs"] == "/etc/ca.pem"
     assert "pw" not in repr(tls) and "***" in repr(tls)
-
-
-def test_idle_streams_are_read_in_turn_and_active_ones_every_round() -> None:
-    keys = Keys("default")
-    reading = MuxCore(keys, "c1")
-    for i in range(mux.COLD_PER_ROUND * 3):
-        reading.follow(keys.result(f"r{i}"), b"0-0", None)
-    for _ in range(mux.HOT_ROUNDS + 1):  # nothing arrives: every stream goes cold
-        reading.reads()
-    reading.route([[keys.result("r5").encode(), [(b"1-0", {b"m": encode(chunk(0, [1], "a"))})]]])
-    seen: set[str] = set()
-    for _ in range(3):
-        read = {k for chunk_ in reading.reads() for k in chunk_} - {keys.wake("c1")}
-        assert reading.partial and keys.result("r5") in read  # active: in every round
-        assert len(read) == mux.COLD_PER_ROUND + 1
-        seen |= read
-    assert len(seen) == mux.COLD_PER_ROUND * 3  # three rounds covered every idle stream
