@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgpack
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
@@ -66,6 +67,8 @@ __all__ = [
     "ms_now",
     "parse_request",
 ]
+
+_T = TypeVar("_T")
 
 PROTOCOL_VERSION = 1
 DEFAULT_PREFIX = "llmq"
@@ -434,31 +437,27 @@ def decode_request(raw: bytes) -> GenerateRequest:
     return parse_request(data)
 
 
-def decode_event(raw: bytes) -> TokensEvent | DoneEvent | ErrorEvent:
-    """A result stream entry's `m` field."""
+def _validated(validate: Callable[[Any], _T], raw: bytes, what: str) -> _T:
     data = _unpack(raw)
     try:
-        return _EVENT.validate_python(data)
+        return validate(data)
     except ValidationError as exc:
-        raise MalformedEntry(f"invalid event: {_summarize(exc)}") from None
+        raise MalformedEntry(f"invalid {what}: {_summarize(exc)}") from None
+
+
+def decode_event(raw: bytes) -> TokensEvent | DoneEvent | ErrorEvent:
+    """A result stream entry's `m` field."""
+    return _validated(_EVENT.validate_python, raw, "event")
 
 
 def decode_completion(raw: bytes) -> Completion:
     """An entry's `m` field on a `reply_to` stream."""
-    data = _unpack(raw)
-    try:
-        return Completion.model_validate(data)
-    except ValidationError as exc:
-        raise MalformedEntry(f"invalid completion: {_summarize(exc)}") from None
+    return _validated(Completion.model_validate, raw, "completion")
 
 
 def decode_worker(raw: bytes) -> WorkerInfo:
     """A value of the `workers` hash."""
-    data = _unpack(raw)
-    try:
-        return WorkerInfo.model_validate(data)
-    except ValidationError as exc:
-        raise MalformedEntry(f"invalid worker info: {_summarize(exc)}") from None
+    return _validated(WorkerInfo.model_validate, raw, "worker info")
 
 
 _FAILURES: dict[str, type[RequestFailed]] = {ErrorCode.EXPIRED: RequestExpired}
