@@ -11,6 +11,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -118,6 +119,14 @@ class Outcome:
 
 
 QUEUE_FULL_BACKOFF_S = (0.05, 2.0)  # submit_many waits, doubling, while the queue is full
+
+
+def queue_full_delays() -> Iterator[float]:
+    """Seconds to wait before each retry of a submit refused with `QueueFull`: doubling, capped, unending."""
+    delay = QUEUE_FULL_BACKOFF_S[0]
+    while True:
+        yield delay
+        delay = min(2 * delay, QUEUE_FULL_BACKOFF_S[1])
 
 
 class ResultBuilder:

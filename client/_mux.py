@@ -104,6 +104,11 @@ class MuxCore:
         chunks[0] = {self.wake_key: f"{ms}-{seq}", **chunks[0]}
         return chunks
 
+    def wake_commands(self, pipe: Any) -> None:
+        """Queue on a pipeline the append that ends the reader's blocking read (trimmed, and expiring)."""
+        pipe.xadd(self.wake_key, {b"w": b"1"}, maxlen=WAKE_MAXLEN, approximate=False)
+        pipe.expire(self.wake_key, WAKE_TTL_S)
+
     def wake_read(self) -> dict[KeyT, StreamIdT]:
         """The wake stream alone: what the reader blocks on briefly when several chunks found nothing."""
         ms, seq = self._wake_id

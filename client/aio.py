@@ -13,14 +13,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from client._core import DEFAULT_URL, QUEUE_FULL_BACKOFF_S, BaseClient, BaseJob, Delta, Outcome, Result, connect_kwargs
+from client._core import DEFAULT_URL, BaseClient, BaseJob, Delta, Outcome, Result, connect_kwargs, queue_full_delays
 from client._mux import (
     BLOCK_S,
     ENTRIES_PER_STREAM,
     IDLE_WAIT_S,
     WAKE_DELAY_S,
-    WAKE_MAXLEN,
-    WAKE_TTL_S,
     Follower,
     MuxCore,
 )
@@ -88,7 +86,7 @@ class AsyncClient(BaseClient):
         """The result reader of a queue (its keys share one hash slot, so one XREAD reads them all)."""
         mux = self._muxes.get(keys.tag)
         if mux is None:
-            mux = self._muxes[keys.tag] = AsyncResultMux(self._redis, keys, self.client_id)
+            mux = self._muxes[keys.tag] = AsyncResultMux(self._redis, keys, self.client_id, self.socket_timeout)
         return mux
 
     async def __aenter__(self) -> Self:
@@ -179,14 +177,12 @@ class AsyncClient(BaseClient):
                 task.cancel()
 
     async def _one(self, index: int, options: Mapping[str, Any], timeout: float | None) -> Outcome:  # noqa: ASYNC109
-        backoff = QUEUE_FULL_BACKOFF_S[0]
-        while True:
+        for delay in queue_full_delays():
             try:
                 job = await self.submit(**options)
                 break
             except QueueFull:
-                await asyncio.sleep(backoff)
-                backoff = min(2 * backoff, QUEUE_FULL_BACKOFF_S[1])
+                await asyncio.sleep(delay)
             except LLMQError as error:
                 return Outcome(index, options.get("request_id"), error=error)
         try:
@@ -259,9 +255,10 @@ class AsyncResultMux:
     """One task reads the result streams of every job this client awaits on one queue, over one connection at
     a time (`client._mux.MuxCore` decides what to read and routes it). Started by the first follower."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, client_id: str) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, client_id: str, socket_timeout: float | None) -> None:
         self._redis = redis
         self._core = MuxCore(keys, client_id)
+        self._block_ms = self._core.block_ms(socket_timeout)
         self._followed = asyncio.Event()
         self._blocked = False  # in a blocking read: a new follower must wake it
         self._closing = False
@@ -291,8 +288,7 @@ class AsyncResultMux:
     async def _wake(self) -> None:
         await asyncio.sleep(WAKE_DELAY_S)
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(self._core.wake_key, {b"w": b"1"}, maxlen=WAKE_MAXLEN, approximate=False)
-            pipe.expire(self._core.wake_key, WAKE_TTL_S)
+            self._core.wake_commands(pipe)
             await pipe.execute()
 
     async def _read_forever(self) -> None:
@@ -316,12 +312,10 @@ class AsyncResultMux:
 
     async def _read_round(self) -> None:
         core, chunks = self._core, self._core.reads()
-        socket_timeout = self._redis.connection_pool.connection_kwargs.get("socket_timeout")
         if len(chunks) == 1:
             self._blocked = True
             try:
-                block = core.block_ms(socket_timeout)
-                reply = await self._redis.xread(chunks[0], count=ENTRIES_PER_STREAM, block=block)
+                reply = await self._redis.xread(chunks[0], count=ENTRIES_PER_STREAM, block=self._block_ms)
             finally:
                 self._blocked = False
             self._deliver(core.route(reply))

@@ -20,8 +20,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from client._core import DEFAULT_URL, QUEUE_FULL_BACKOFF_S, BaseClient, BaseJob, Delta, Outcome, Result, connect_kwargs
-from client._mux import ENTRIES_PER_STREAM, IDLE_WAIT_S, WAKE_DELAY_S, WAKE_MAXLEN, WAKE_TTL_S, Follower, MuxCore
+from client._core import DEFAULT_URL, BaseClient, BaseJob, Delta, Outcome, Result, connect_kwargs, queue_full_delays
+from client._mux import ENTRIES_PER_STREAM, IDLE_WAIT_S, WAKE_DELAY_S, Follower, MuxCore
 from client.errors import LLMQError, QueueFull
 from client.protocol import DEFAULT_PREFIX, ChatMessage, RequestLimits
 from client.store import Keys, QueueStatus, queue_cancel_commands, queue_status_commands, status_from_replies
@@ -89,7 +89,7 @@ class Client(BaseClient):
         with self._muxes_lock:
             mux = self._muxes.get(keys.tag)
             if mux is None:
-                mux = self._muxes[keys.tag] = ResultMux(self._redis, keys, self.client_id)
+                mux = self._muxes[keys.tag] = ResultMux(self._redis, keys, self.client_id, self.socket_timeout)
             return mux
 
     def __enter__(self) -> Self:
@@ -176,14 +176,12 @@ class Client(BaseClient):
                     future.cancel()
 
     def _one(self, index: int, options: Mapping[str, Any], timeout: float | None) -> Outcome:
-        backoff = QUEUE_FULL_BACKOFF_S[0]
-        while True:
+        for delay in queue_full_delays():
             try:
                 job = self.submit(**options)
                 break
             except QueueFull:
-                time.sleep(backoff)
-                backoff = min(2 * backoff, QUEUE_FULL_BACKOFF_S[1])
+                time.sleep(delay)
             except LLMQError as error:
                 return Outcome(index, options.get("request_id"), error=error)
         try:
@@ -255,9 +253,10 @@ class ResultMux:
     connection at a time (`client._mux.MuxCore` decides what to read and routes it). Started by the first
     follower; any thread may follow and unfollow."""
 
-    def __init__(self, redis: Redis, keys: Keys, client_id: str) -> None:
+    def __init__(self, redis: Redis, keys: Keys, client_id: str, socket_timeout: float | None) -> None:
         self._redis = redis
         self._core = MuxCore(keys, client_id)
+        self._block_ms = self._core.block_ms(socket_timeout)
         self._lock = threading.Lock()  # guards the core: followers come and go from any thread
         self._followed = threading.Condition(self._lock)
         self._blocked = False
@@ -280,8 +279,7 @@ class ResultMux:
 
     def _wake(self) -> None:
         with contextlib.suppress(RedisError), self._redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(self._core.wake_key, {b"w": b"1"}, maxlen=WAKE_MAXLEN, approximate=False)
-            pipe.expire(self._core.wake_key, WAKE_TTL_S)
+            self._core.wake_commands(pipe)
             pipe.execute()
 
     def unfollow(self, follower: Follower) -> None:
@@ -326,10 +324,9 @@ class ResultMux:
         with self._lock:
             chunks = core.reads()
             self._blocked = len(chunks) == 1
-        socket_timeout = self._redis.connection_pool.connection_kwargs.get("socket_timeout")
         try:
             if len(chunks) == 1:
-                replies = [self._redis.xread(chunks[0], count=ENTRIES_PER_STREAM, block=core.block_ms(socket_timeout))]
+                replies = [self._redis.xread(chunks[0], count=ENTRIES_PER_STREAM, block=self._block_ms)]
             else:
                 with self._redis.pipeline(transaction=False) as pipe:
                     for chunk in chunks:
