@@ -54,11 +54,16 @@ class Relay:
         self.target = target_of(ready)
         self.fenced = False  # another worker owns the request now: write nothing more
         self.tokens = len(ready.delivered_ids)
-        self.output = (ready.delivered_text, list(ready.delivered_ids))  # the whole output, for `reply_to`
+        self._texts, self._ids = [ready.delivered_text], list(ready.delivered_ids)  # the whole output, for reply_to
         self.task: asyncio.Task[EngineFailed | None] | None = None
         self._publisher = publisher
         self._log = log
         self._metrics = metrics
+
+    @property
+    def output(self) -> tuple[str, list[int]]:
+        """The whole output so far (kept only for a `reply_to` request), earlier attempts' included."""
+        return "".join(self._texts), self._ids
 
     async def run(self, stream: DeltaStream) -> EngineFailed | None:
         """Publishes the stream until it ends. Returns the engine failure it ended with, if any: the worker
@@ -83,7 +88,8 @@ class Relay:
                     )
                     self.tokens += len(delta.token_ids)
                     if self.target.reply_to is not None:
-                        self.output = (self.output[0] + delta.text, self.output[1] + delta.token_ids)
+                        self._texts.append(delta.text)
+                        self._ids.extend(delta.token_ids)
                 if delta.finish_reason is not None:
                     reason = delta.finish_reason.value
                     event = done_event(
