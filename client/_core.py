@@ -319,7 +319,8 @@ class BaseClient:
 
     def submit_args(self, request: GenerateRequest, keys: Keys) -> tuple[list[str], list[Any]]:
         """KEYS and ARGV of the `SUBMIT` script."""
-        return [keys.submitted(request.id), keys.requests], [encode(request), self.max_queue_len, request.result_ttl]
+        args = [encode(request), self.max_queue_len, request.result_ttl, self.client_id]
+        return [keys.submitted(request.id), keys.requests], args
 
     def check_submitted(self, outcome: int, keys: Keys) -> None:
         if outcome == SUBMIT_FULL:

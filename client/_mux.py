@@ -1,11 +1,17 @@
 """Sans-I/O core of the result multiplexer: one reader per client and queue follows every awaited job's result
 stream over one connection, instead of one blocking XREAD (and one connection) per job.
 
-Each read is `XREAD COUNT c [BLOCK b] STREAMS k1 .. kn id1 .. idn` over at most `CHUNK_KEYS` keys; more keys
-are read in several chunks in one pipeline. The client's private wake stream (`Keys.wake`) is read with the
-first chunk: following a new job while the reader blocks appends to it, so the new job is read at once
-instead of after the BLOCK. `AsyncResultMux` (client/aio.py) and `ResultMux` (client/sync.py) perform the
-calls; this class decides what to read and routes what was read.
+The reader reads only the result streams that have news. Every request carries its client's id (`notify`),
+and the worker's publish script appends, in the same atomic write as the events, the result keys it wrote to
+to that client's wake stream (`Keys.wake`). So a round is: a blocking XREAD of the wake stream alone, then one
+XREAD (chunked at `CHUNK_KEYS` keys, in one pipeline) of the streams it named, with the wake stream again.
+Newly followed jobs are read at once (their events may predate the follow; following also appends to the
+wake stream, which ends a blocking read). A slow sweep reads every followed stream once per
+`SWEEP_STEP_S` x chunks, one chunk at a time, for anything a notice did not cover (a worker of an older
+release, a wake stream trimmed while the client lagged): the sweep bounds the lag, notices make it small.
+
+`AsyncResultMux` (client/aio.py) and `ResultMux` (client/sync.py) perform the calls; this class decides what
+to read and routes what was read.
 """
 
 from __future__ import annotations
@@ -18,20 +24,18 @@ from typing import Any
 
 from redis.typing import KeyT, StreamIdT
 
-from client.store import Keys
+from client.store import WAKE_MAXLEN, WAKE_NOTICE, WAKE_TTL_S, Keys
 
 log = logging.getLogger("llmq.client")
 
 CHUNK_KEYS = 256  # result streams per XREAD
 ENTRIES_PER_STREAM = 512  # COUNT: a backlog is read in a few calls, never unbounded
 BLOCK_S = 2.0  # per blocking XREAD; stays under redis-py's default 5 s socket timeout
-IDLE_WAIT_S = 0.01  # with several chunks nothing can block on all of them: wait on the wake stream this long
+SWEEP_STEP_S = 0.05  # one sweep chunk per step: every stream of 256 followed jobs is read at least every 50 ms
 RECONNECT_BUDGET_S = 30.0  # how long the reader keeps retrying a lost connection
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 2.0
 WAKE_DELAY_S = 0.005  # a wake waits this long, so the jobs followed meanwhile share it (a burst of submits)
-WAKE_MAXLEN = 16
-WAKE_TTL_S = 600
 
 
 def parse_id(entry_id: bytes | str) -> tuple[int, int]:
@@ -59,11 +63,24 @@ class Follower:
     inbox: Any
 
 
+@dataclass(frozen=True)
+class Round:
+    """One read: a blocking XREAD of the wake stream alone (`block_ms` set), or non-blocking XREADs of
+    `chunks` in one pipeline."""
+
+    chunks: list[dict[KeyT, StreamIdT]]
+    block_ms: int | None = None
+
+
 @dataclass
 class MuxCore:
     keys: Keys
     client_id: str
+    max_block_ms: int = int(BLOCK_S * 1000)
     _followers: dict[str, list[Follower]] = field(default_factory=dict)
+    _due: dict[str, None] = field(default_factory=dict)  # keys to read in the next round (an ordered set)
+    _sweep: list[str] = field(default_factory=list)  # keys of the current sweep not read yet
+    _next_sweep: float = 0.0
     _wake_id: tuple[int, int] = (0, 0)
     _failing_since: float | None = None
     _failures: int = 0
@@ -83,6 +100,7 @@ class MuxCore:
     def follow(self, key: str, last_id: bytes | str, inbox: Any) -> Follower:
         follower = Follower(key, parse_id(last_id), inbox)
         self._followers.setdefault(key, []).append(follower)
+        self._due[key] = None
         return follower
 
     def unfollow(self, follower: Follower) -> None:
@@ -92,37 +110,49 @@ class MuxCore:
         if not followers:
             self._followers.pop(follower.key, None)
 
-    def reads(self) -> list[dict[KeyT, StreamIdT]]:
-        """The XREAD stream maps of the next round, chunked; the wake stream rides with the first chunk."""
-        pending = [(key, min(f.last_id for f in followers)) for key, followers in self._followers.items()]
-        chunks: list[dict[KeyT, StreamIdT]] = []
-        for start in range(0, len(pending), CHUNK_KEYS):
-            chunks.append({key: f"{ms}-{seq}" for key, (ms, seq) in pending[start : start + CHUNK_KEYS]})
-        if not chunks:
-            chunks.append({})
-        ms, seq = self._wake_id
-        chunks[0] = {self.wake_key: f"{ms}-{seq}", **chunks[0]}
-        return chunks
+    def plan(self, now: float) -> Round:
+        """The next round: the streams with news (or newly followed) and, when due, the next sweep chunk."""
+        due = [key for key in self._due if key in self._followers]
+        self._due.clear()
+        if now >= self._next_sweep:
+            if not self._sweep:
+                self._sweep = list(self._followers)
+            due += self._sweep[:CHUNK_KEYS]
+            del self._sweep[:CHUNK_KEYS]
+            self._next_sweep = now + SWEEP_STEP_S
+        pending = {key: min(f.last_id for f in self._followers[key]) for key in due if key in self._followers}
+        if not pending:
+            block_ms = min(self.max_block_ms, int((self._next_sweep - now) * 1000))
+            return Round([self._wake_read()], block_ms=max(1, block_ms))
+        items = list(pending.items())
+        chunks: list[dict[KeyT, StreamIdT]] = [
+            {key: f"{ms}-{seq}" for key, (ms, seq) in items[start : start + CHUNK_KEYS]}
+            for start in range(0, len(items), CHUNK_KEYS)
+        ]
+        chunks[0] = {**self._wake_read(), **chunks[0]}
+        return Round(chunks)
 
     def wake_commands(self, pipe: Any) -> None:
         """Queue on a pipeline the append that ends the reader's blocking read (trimmed, and expiring)."""
-        pipe.xadd(self.wake_key, {b"w": b"1"}, maxlen=WAKE_MAXLEN, approximate=False)
+        pipe.xadd(self.wake_key, {b"w": b"1"}, maxlen=WAKE_MAXLEN, approximate=True)
         pipe.expire(self.wake_key, WAKE_TTL_S)
 
-    def wake_read(self) -> dict[KeyT, StreamIdT]:
-        """The wake stream alone: what the reader blocks on briefly when several chunks found nothing."""
+    def _wake_read(self) -> dict[KeyT, StreamIdT]:
         ms, seq = self._wake_id
         return {self.wake_key: f"{ms}-{seq}"}
 
     def route(self, reply: Any) -> list[tuple[Follower, bytes, dict[bytes, bytes]]]:
-        """Entries of one XREAD reply for each follower past its `last_id`; the wake stream is only noted."""
+        """Entries of one XREAD reply for each follower past its `last_id`; the wake stream's notices make
+        the streams they name due. A stream that filled its COUNT is due again: it may hold more."""
         self._failing_since = None
         routed = []
         for key, entries in _streams(reply):
             name = _text(key)
             if name == self.wake_key:
-                self._wake_id = max(self._wake_id, *(parse_id(entry_id) for entry_id, _ in entries))
+                self._note(entries)
                 continue
+            if len(entries) >= ENTRIES_PER_STREAM:
+                self._due[name] = None
             for follower in self._followers.get(name, ()):
                 for entry_id, fields in entries:
                     parsed = parse_id(entry_id)
@@ -131,15 +161,21 @@ class MuxCore:
                         routed.append((follower, entry_id, fields))
         return routed
 
+    def _note(self, entries: list[tuple[Any, dict[bytes, bytes]]]) -> None:
+        for entry_id, fields in entries:
+            self._wake_id = max(self._wake_id, parse_id(entry_id))
+            for key in fields.get(WAKE_NOTICE, b"").split():
+                name = key.decode()
+                if name in self._followers:
+                    self._due[name] = None
+
     def followers(self) -> list[Follower]:
         return [f for followers in self._followers.values() for f in followers]
 
-    def block_ms(self, socket_timeout: float | None) -> int:
-        block = BLOCK_S if socket_timeout is None else min(BLOCK_S, socket_timeout / 2)
-        return max(1, int(block * 1000))
-
     def retry_delay(self, exc: Exception) -> float | None:
-        """Seconds to wait before reading again after a connection error; None once the budget is spent."""
+        """Seconds to wait before reading again after a connection error; None once the budget is spent. The
+        failed round's streams are lost with it: every stream is read again."""
+        self._due.update(dict.fromkeys(self._followers))
         now = time.monotonic()
         if self._failing_since is None:
             self._failing_since, self._failures = now, 0
@@ -149,3 +185,9 @@ class MuxCore:
         self._failures += 1
         log.warning("reading results of %d jobs failed (%s); retrying in %.2f s", self.following, exc, delay)
         return delay
+
+
+def max_block_ms(socket_timeout: float | None) -> int:
+    """The longest blocking read: `BLOCK_S`, or half the socket timeout, which would cut it off."""
+    block = BLOCK_S if socket_timeout is None else min(BLOCK_S, socket_timeout / 2)
+    return max(1, int(block * 1000))

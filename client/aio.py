@@ -14,14 +14,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from client._core import DEFAULT_URL, BaseClient, BaseJob, Delta, Outcome, Result, connect_kwargs, queue_full_delays
-from client._mux import (
-    BLOCK_S,
-    ENTRIES_PER_STREAM,
-    IDLE_WAIT_S,
-    WAKE_DELAY_S,
-    Follower,
-    MuxCore,
-)
+from client._mux import BLOCK_S, ENTRIES_PER_STREAM, WAKE_DELAY_S, Follower, MuxCore, max_block_ms
 from client.errors import LLMQError, QueueFull
 from client.protocol import DEFAULT_PREFIX, ChatMessage, RequestLimits
 from client.store import Keys, QueueStatus, queue_cancel_commands, queue_status_commands, status_from_replies
@@ -226,7 +219,8 @@ class AsyncJob(BaseJob):
             while not reader.builder.finished:
                 remaining = reader.remaining_s(started, timeout)
                 try:
-                    item = await asyncio.wait_for(follower.inbox.get(), remaining)
+                    async with asyncio.timeout(remaining):
+                        item = await follower.inbox.get()
                 except TimeoutError:
                     continue  # the next round raises ResultTimeout
                 if isinstance(item, BaseException):
@@ -251,21 +245,46 @@ class AsyncJob(BaseJob):
         await pipe.execute()
 
 
+class Inbox:
+    """A follower's entries, awaited by its job: a list and, while the job waits, one future. 10,000 of these
+    live at once in a busy client, and asyncio.Queue's three deques and bookkeeping made its garbage
+    collections long enough to show in the delivery lag."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list[Any] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> Any:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.pop(0)
+
+
 class AsyncResultMux:
     """One task reads the result streams of every job this client awaits on one queue, over one connection at
     a time (`client._mux.MuxCore` decides what to read and routes it). Started by the first follower."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, client_id: str, socket_timeout: float | None) -> None:
         self._redis = redis
-        self._core = MuxCore(keys, client_id)
-        self._block_ms = self._core.block_ms(socket_timeout)
+        self._core = MuxCore(keys, client_id, max_block_ms(socket_timeout))
         self._followed = asyncio.Event()
         self._blocked = False  # in a blocking read: a new follower must wake it
         self._closing = False
         self._task: asyncio.Task[None] | None = None
 
     def follow(self, key: str, last_id: bytes | str) -> Follower:
-        follower = self._core.follow(key, last_id, asyncio.Queue())
+        follower = self._core.follow(key, last_id, Inbox())
         self._followed.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._read_forever(), name=f"llmq-results-{self._core.wake_key}")
@@ -311,27 +330,20 @@ class AsyncResultMux:
                 await asyncio.sleep(delay)
 
     async def _read_round(self) -> None:
-        core, chunks = self._core, self._core.reads()
-        if len(chunks) == 1:
+        core = self._core
+        plan = core.plan(time.monotonic())
+        if plan.block_ms is not None:
             self._blocked = True
             try:
-                reply = await self._redis.xread(chunks[0], count=ENTRIES_PER_STREAM, block=self._block_ms)
+                replies = [await self._redis.xread(plan.chunks[0], count=ENTRIES_PER_STREAM, block=plan.block_ms)]
             finally:
                 self._blocked = False
-            self._deliver(core.route(reply))
-            return
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for chunk in chunks:
-                pipe.xread(chunk, count=ENTRIES_PER_STREAM)
-            replies = await pipe.execute()
-        routed = [item for reply in replies for item in core.route(reply)]
-        self._deliver(routed)
-        if not routed:  # nothing can block on every chunk: wait on the wake stream a little
-            self._blocked = True
-            try:
-                core.route(await self._redis.xread(core.wake_read(), block=max(1, int(IDLE_WAIT_S * 1000))))
-            finally:
-                self._blocked = False
+        else:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for chunk in plan.chunks:
+                    pipe.xread(chunk, count=ENTRIES_PER_STREAM)
+                replies = await pipe.execute()
+        self._deliver([item for reply in replies for item in core.route(reply)])
 
     @staticmethod
     def _deliver(routed: list[tuple[Follower, bytes, dict[bytes, bytes]]]) -> None:

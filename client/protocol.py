@@ -41,6 +41,7 @@ __all__ = [
     "MAX_TOKEN_ID",
     "MAX_TOP_K",
     "MIN_SEED",
+    "NOTIFY_FIELD",
     "PROTOCOL_VERSION",
     "Bound",
     "ChatMessage",
@@ -73,6 +74,10 @@ _T = TypeVar("_T")
 PROTOCOL_VERSION = 1
 DEFAULT_PREFIX = "llmq"
 ENTRY_FIELD = b"m"
+# A request entry's optional second field: the submitting client's id. Workers name every result stream they
+# write to on that client's wake stream (`Keys.wake`), so its reader reads only streams with news. A hint
+# outside the request, so a worker that predates it ignores it (and the client's sweep still reads).
+NOTIFY_FIELD = b"n"
 
 # Request ids, queue names and prefixes end up inside key names and hash tags: no braces, no spaces.
 _NAME_CHARS = r"[A-Za-z0-9._:-]{1,128}"

@@ -21,6 +21,9 @@ from client.errors import MalformedEntry
 from client.protocol import DEFAULT_PREFIX, WorkerInfo, decode_worker, is_valid_name, ms_now
 
 CONSUMER_GROUP = "workers"
+WAKE_NOTICE = b"r"  # field of a wake stream entry: the result keys a worker just wrote to, space-separated
+WAKE_MAXLEN = 1000  # entries a wake stream keeps (about); a client further behind is covered by its sweep
+WAKE_TTL_S = 600
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,11 @@ if limit > 0 and redis.call('XLEN', KEYS[2]) >= limit then
   return -1
 end
 redis.call('SET', KEYS[1], 1, 'EX', ARGV[3])
-redis.call('XADD', KEYS[2], '*', 'm', ARGV[1])
+if ARGV[4] then
+  redis.call('XADD', KEYS[2], '*', 'm', ARGV[1], 'n', ARGV[4])
+else
+  redis.call('XADD', KEYS[2], '*', 'm', ARGV[1])
+end
 return 1
 """
 SUBMIT_FULL = -1
@@ -157,13 +164,15 @@ return handed
 
 
 # One call per flush, whatever it carries: packing and parsing a command per event was most of a busy
-# worker's time. KEYS: the request stream, then per event its result stream, fence hash and reply stream (the
-# result stream again when it has none). ARGV: the group, the reply streams' MAXLEN, then per event: attempt
+# worker's time. KEYS: the request stream, then per event its result stream, fence hash, reply stream and its
+# client's wake stream (the result stream again for none). ARGV: the group, the reply streams' MAXLEN, the wake
+# streams' MAXLEN and TTL, then per event: attempt
 # ('' = unfenced), ttl, event ('' = none: acknowledge only), seq, size, entry id to acknowledge ('' = none),
 # completion for the reply stream ('' = none; appended with the event, so exactly when the event is).
 # Returns per event 1 (written or already there), 0 (fenced), or the error Redis gave for that event's keys
 # alone (pcall): one request's broken key fails that request, never the batch. An error that concerns the whole
 # server (out of memory, read-only replica, loading...) fails the call instead, so the batch stays queued.
+# Each wake stream then gets one notice naming the result streams written for its client (`client._mux`).
 PUBLISH = """
 local function publish(result, fence, reply, attempt, ttl, event, seq, size, entry, completion)
   local ok, write = 1, event ~= ''
@@ -193,13 +202,13 @@ local function publish(result, fence, reply, attempt, ttl, event, seq, size, ent
   return ok
 end
 local server_wide = {'OOM', 'READONLY', 'LOADING', 'BUSY', 'MASTERDOWN', 'NOREPLICAS', 'MISCONF', 'CLUSTERDOWN'}
-local written, refused = {}, {}
-for i = 0, (#KEYS - 1) / 3 - 1 do
-  local result, a = KEYS[2 + 3 * i], 3 + 7 * i
+local written, refused, notices = {}, {}, {}
+for i = 0, (#KEYS - 1) / 4 - 1 do
+  local result, a = KEYS[2 + 4 * i], 5 + 7 * i
   local outcome = refused[result]  -- a request refused once: its later events (and its ack) are not tried
   if not outcome then
     local done
-    done, outcome = pcall(publish, result, KEYS[3 + 3 * i], KEYS[4 + 3 * i],
+    done, outcome = pcall(publish, result, KEYS[3 + 4 * i], KEYS[4 + 4 * i],
       ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6])
     if not done then
       local message = type(outcome) == 'table' and outcome.err or tostring(outcome)
@@ -212,7 +221,18 @@ for i = 0, (#KEYS - 1) / 3 - 1 do
       refused[result] = message
     end
   end
+  local wake = KEYS[5 + 4 * i]
+  if outcome == 1 and wake ~= result then
+    notices[wake] = notices[wake] or {}
+    table.insert(notices[wake], result)
+  end
   written[i + 1] = outcome
+end
+for wake, results in pairs(notices) do  -- a notice is a hint (the client sweeps too): a refused one is dropped
+  pcall(function()
+    redis.call('XADD', wake, 'MAXLEN', '~', ARGV[3], '*', 'r', table.concat(results, ' '))
+    redis.call('EXPIRE', wake, ARGV[4])
+  end)
 end
 return written
 """

@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from client._core import DEFAULT_URL, BaseClient, BaseJob, Delta, Outcome, Result, connect_kwargs, queue_full_delays
-from client._mux import ENTRIES_PER_STREAM, IDLE_WAIT_S, WAKE_DELAY_S, Follower, MuxCore
+from client._mux import ENTRIES_PER_STREAM, WAKE_DELAY_S, Follower, MuxCore, max_block_ms
 from client.errors import LLMQError, QueueFull
 from client.protocol import DEFAULT_PREFIX, ChatMessage, RequestLimits
 from client.store import Keys, QueueStatus, queue_cancel_commands, queue_status_commands, status_from_replies
@@ -255,8 +255,7 @@ class ResultMux:
 
     def __init__(self, redis: Redis, keys: Keys, client_id: str, socket_timeout: float | None) -> None:
         self._redis = redis
-        self._core = MuxCore(keys, client_id)
-        self._block_ms = self._core.block_ms(socket_timeout)
+        self._core = MuxCore(keys, client_id, max_block_ms(socket_timeout))
         self._lock = threading.Lock()  # guards the core: followers come and go from any thread
         self._followed = threading.Condition(self._lock)
         self._blocked = False
@@ -322,14 +321,14 @@ class ResultMux:
     def _read_round(self) -> None:
         core = self._core
         with self._lock:
-            chunks = core.reads()
-            self._blocked = len(chunks) == 1
+            plan = core.plan(time.monotonic())
+            self._blocked = plan.block_ms is not None
         try:
-            if len(chunks) == 1:
-                replies = [self._redis.xread(chunks[0], count=ENTRIES_PER_STREAM, block=self._block_ms)]
+            if plan.block_ms is not None:
+                replies = [self._redis.xread(plan.chunks[0], count=ENTRIES_PER_STREAM, block=plan.block_ms)]
             else:
                 with self._redis.pipeline(transaction=False) as pipe:
-                    for chunk in chunks:
+                    for chunk in plan.chunks:
                         pipe.xread(chunk, count=ENTRIES_PER_STREAM)
                     replies = pipe.execute()
         finally:
@@ -339,7 +338,3 @@ class ResultMux:
             routed = [item for reply in replies for item in core.route(reply)]
         for follower, entry_id, fields in routed:
             follower.inbox.put((entry_id, fields))
-        if not routed and len(chunks) > 1:  # nothing can block on every chunk: wait on the wake stream a little
-            reply = self._redis.xread(core.wake_read(), block=max(1, int(IDLE_WAIT_S * 1000)))
-            with self._lock:
-                core.route(reply)

@@ -19,6 +19,7 @@ from redis.exceptions import ResponseError
 from client.errors import InvalidRequest, MalformedEntry, UnsupportedVersion
 from client.protocol import (
     ENTRY_FIELD,
+    NOTIFY_FIELD,
     PROTOCOL_VERSION,
     ErrorCode,
     GenerateRequest,
@@ -26,6 +27,7 @@ from client.protocol import (
     TokensEvent,
     decode_event,
     decode_request,
+    is_valid_name,
     ms_now,
 )
 from client.store import CONSUMER_GROUP, Fence, Keys
@@ -36,6 +38,7 @@ from worker.leases import Claimed
 class Accepted:
     entry_id: bytes
     request: GenerateRequest
+    notify: str | None = None  # the submitting client, told of every write (`NOTIFY_FIELD`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +49,13 @@ class Rejected:
     message: str
     result_ttl: int = 3600
     reply_to: str | None = None  # known when the request itself could be read
+    notify: str | None = None
+
+    @classmethod
+    def answering(cls, accepted: Accepted, code: ErrorCode, message: str) -> Rejected:
+        """A readable request's refusal, which goes where its events would have gone."""
+        request = accepted.request
+        return cls(accepted.entry_id, request.id, code, message, request.result_ttl, request.reply_to, accepted.notify)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,25 +80,31 @@ def decide(
     raw = fields.get(ENTRY_FIELD)
     if raw is None:
         return DeadLetter(entry_id, b"", f"entry has no field {ENTRY_FIELD.decode()!r}")
+    notify = _client_id(fields.get(NOTIFY_FIELD))
     try:
         request = decode_request(raw)
     except (UnsupportedVersion, InvalidRequest) as error:
         if error.request_id is None:
             return DeadLetter(entry_id, raw, str(error))
         code = ErrorCode.UNSUPPORTED_VERSION if isinstance(error, UnsupportedVersion) else ErrorCode.INVALID_REQUEST
-        return Rejected(entry_id, error.request_id, code, str(error))
+        return Rejected(entry_id, error.request_id, code, str(error), notify=notify)
     except MalformedEntry as error:
         return DeadLetter(entry_id, raw, str(error))
+    accepted = Accepted(entry_id, request, notify)
     try:
         request.check_limits(limits)
     except InvalidRequest as error:
-        code = ErrorCode.INVALID_REQUEST
-        return Rejected(entry_id, request.id, code, str(error), request.result_ttl, request.reply_to)
+        return Rejected.answering(accepted, ErrorCode.INVALID_REQUEST, str(error))
     expired = request.deadline is not None and request.deadline <= (now_ms if now_ms is not None else ms_now())
     if check_deadline and expired:
-        message = "the deadline passed before generation started"
-        return Rejected(entry_id, request.id, ErrorCode.EXPIRED, message, request.result_ttl, request.reply_to)
-    return Accepted(entry_id, request)
+        return Rejected.answering(accepted, ErrorCode.EXPIRED, "the deadline passed before generation started")
+    return accepted
+
+
+def _client_id(raw: bytes | None) -> str | None:
+    """The `NOTIFY_FIELD` of an entry when it is a usable name (it is only a hint: anything else is ignored)."""
+    name = raw.decode(errors="replace") if raw is not None else None
+    return name if is_valid_name(name) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,12 +239,7 @@ class Intake:
             failure = next((a for a in answers if isinstance(a, Exception)), None)
             if failure is not None:
                 message = f"Redis refused this request's keys: {failure}"
-                request = item.request
-                refused.append(
-                    Rejected(
-                        item.entry_id, request.id, ErrorCode.INTERNAL, message, request.result_ttl, request.reply_to
-                    )
-                )
+                refused.append(Rejected.answering(item, ErrorCode.INTERNAL, message))
                 continue
             attempt, _, _, cancelled, events, (handed_back, failures, started) = answers
             ids, text, finished, first_token_ms = _earlier_output(events)

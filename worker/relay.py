@@ -17,7 +17,8 @@ from worker.publisher import Publisher, Target
 def target_of(ready: Ready) -> Target:
     """Where a ready request's events go, fenced by its attempt."""
     request = ready.accepted.request
-    return Target(request.id, request.result_ttl, ready.attempt, ready.accepted.entry_id, request.reply_to)
+    accepted = ready.accepted
+    return Target(request.id, request.result_ttl, ready.attempt, accepted.entry_id, request.reply_to, accepted.notify)
 
 
 def done_event(

@@ -176,7 +176,11 @@ class Worker:
         self.log.info("rejected", request_id=decision.request_id, code=decision.code, reason=decision.message)
         event = ErrorEvent(code=decision.code, message=decision.message)
         target = Target(
-            decision.request_id, decision.result_ttl, entry_id=decision.entry_id, reply_to=decision.reply_to
+            decision.request_id,
+            decision.result_ttl,
+            entry_id=decision.entry_id,
+            reply_to=decision.reply_to,
+            notify=decision.notify,
         )
         self.publisher.finish(target, event)
 

@@ -230,8 +230,7 @@ def test_the_reader_retries_with_capped_backoff_then_gives_up(monkeypatch: pytes
 
 
 def test_the_reader_blocks_under_the_socket_timeout() -> None:
-    reading = MuxCore(Keys("default"), "c1")
-    assert reading.block_ms(None) == mux.BLOCK_S * 1000 and reading.block_ms(1.0) == 500
+    assert mux.max_block_ms(None) == mux.BLOCK_S * 1000 and mux.max_block_ms(1.0) == 500
 
 
 def test_a_job_times_out_by_its_own_clock(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -244,16 +243,60 @@ def test_a_job_times_out_by_its_own_clock(monkeypatch: pytest.MonkeyPatch) -> No
         reader.remaining_s(0.0, 0.3)
 
 
-def test_reads_are_chunked_and_carry_the_wake_stream() -> None:
+def test_new_followers_are_read_at_once_in_chunks_with_the_wake_stream() -> None:
     keys = Keys("default")
     reading = MuxCore(keys, "c1")
-    assert reading.reads() == [{keys.wake("c1"): "0-0"}]
+    idle = reading.plan(0.0)
+    assert idle.chunks == [{keys.wake("c1"): "0-0"}] and idle.block_ms is not None
     followers = [reading.follow(keys.result(f"r{i}"), b"0-0", None) for i in range(mux.CHUNK_KEYS + 3)]
-    chunks = reading.reads()
-    assert [len(c) for c in chunks] == [mux.CHUNK_KEYS + 1, 3] and keys.wake("c1") in chunks[0]
+    first = reading.plan(1.0)
+    assert first.block_ms is None and [len(c) for c in first.chunks] == [mux.CHUNK_KEYS + 1, 3]
+    assert keys.wake("c1") in first.chunks[0]
     for follower in followers:
         reading.unfollow(follower)
     assert reading.idle
+
+
+def test_between_sweeps_only_the_streams_a_notice_names_are_read() -> None:
+    keys = Keys("default")
+    reading = MuxCore(keys, "c1")
+    for i in range(600):
+        reading.follow(keys.result(f"r{i}"), b"0-0", None)
+    reading.plan(0.0)  # every new follower, and the first sweep chunk
+    waiting = reading.plan(0.01)  # nothing has news and the next sweep chunk is 40 ms away: block on the wake stream
+    assert waiting.chunks == [{keys.wake("c1"): "0-0"}] and waiting.block_ms == 40
+    notice = {b"r": f"{keys.result('r7')} {keys.result('r500')} {keys.result('gone')}".encode()}
+    reading.route({keys.wake("c1").encode(): [[b"5-1", notice]]})
+    told = reading.plan(0.02)
+    assert told.block_ms is None and set(told.chunks[0]) == {keys.wake("c1"), keys.result("r7"), keys.result("r500")}
+    assert told.chunks[0][keys.wake("c1")] == "5-1"
+    swept: set[str] = set()
+    for step in range(3):  # the sweep reads every stream, one chunk per step
+        chunks = reading.plan(0.05 * (step + 1)).chunks
+        swept |= {str(key) for chunk in chunks for key in chunk}
+    assert {keys.result(f"r{i}") for i in range(600)} <= swept
+
+
+def test_a_failed_round_reads_every_stream_again() -> None:
+    keys = Keys("default")
+    reading = MuxCore(keys, "c1")
+    for i in range(3):
+        reading.follow(keys.result(f"r{i}"), b"0-0", None)
+    reading.plan(0.0)
+    assert reading.plan(0.01).block_ms is not None
+    reading.retry_delay(ConnectionError("down"))
+    assert len(reading.plan(0.02).chunks[0]) == 4
+
+
+def test_a_stream_that_filled_its_count_is_read_again() -> None:
+    keys = Keys("default")
+    reading = MuxCore(keys, "c1")
+    reading.follow(keys.result("r"), b"0-0", None)
+    reading.plan(0.0)
+    entries = [(f"{i + 1}-0".encode(), {b"m": b""}) for i in range(mux.ENTRIES_PER_STREAM)]
+    reading.route([[keys.result("r").encode(), entries]])
+    again = reading.plan(0.01)
+    assert again.block_ms is None and again.chunks[0][keys.result("r")] == f"{mux.ENTRIES_PER_STREAM}-0"
 
 
 def test_entries_are_routed_past_each_followers_last_id_in_resp2_and_resp3() -> None:
@@ -261,7 +304,7 @@ def test_entries_are_routed_past_each_followers_last_id_in_resp2_and_resp3() -> 
     reading = MuxCore(keys, "c1")
     event = {b"m": encode(chunk(0, [1], "a"))}
     early, late = reading.follow(keys.result("r"), b"0-0", "early"), reading.follow(keys.result("r"), b"9-0", "late")
-    assert reading.reads()[0][keys.result("r")] == "0-0"  # the slowest follower decides where to read from
+    assert reading.plan(0.0).chunks[0][keys.result("r")] == "0-0"  # the slowest follower decides where to read from
     key = keys.result("r").encode()
     routed = reading.route([[key, [(b"9-0", event), (b"10-0", event)]]])  # 10-0 sorts after 9-0 as an id
     assert [(f.inbox, entry_id) for f, entry_id, _ in routed] == [
@@ -271,7 +314,7 @@ def test_entries_are_routed_past_each_followers_last_id_in_resp2_and_resp3() -> 
     ]
     assert reading.route({key: [[b"10-0", event]]}) == []  # RESP3 shape; nothing new
     reading.route({keys.wake("c1").encode(): [[b"5-1", {b"w": b"1"}]]})
-    assert reading.reads()[0][keys.wake("c1")] == "5-1" and early.last_id == late.last_id == (10, 0)
+    assert reading.plan(0.01).chunks[0][keys.wake("c1")] == "5-1" and early.last_id == late.last_id == (10, 0)
 
 
 # --- building requests (no Redis is touched) -----------------------------------------------------

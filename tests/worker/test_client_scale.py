@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from client import AsyncClient, Client
+from client import AsyncClient, AsyncJob, Client
 from worker.engine import EngineRequest, GenerationParams
 
 PROMPTS = [[3 + i, 4 + i % 5, 5, 6 + i % 7] for i in range(16)]
@@ -99,3 +99,22 @@ async def test_500_threads_on_one_sync_client(
     assert outputs == [expected[i % len(PROMPTS)] for i in range(500)]
     assert len(threads_seen) > 100 and 1 <= connections.most <= 4
     assert not [r for r in caplog.records if r.name == "llmq.client"]
+
+
+async def test_the_submitter_is_told_of_writes_and_another_reader_sweeps(start_worker: Any, redis_url: str) -> None:
+    """Workers name the result streams they wrote to on the submitting client's wake stream; a client that
+    attached to a job it did not submit gets no notices and still reads everything, by its sweep."""
+    await start_worker(step_s=0.01)
+    async with AsyncClient(redis_url) as submitter, AsyncClient(redis_url) as other:
+        jobs = [await submitter.submit(input_ids=[5, 6], max_new_tokens=20) for _ in range(3)]
+        attached = [AsyncJob.attach(other, job.id) for job in jobs]
+        own, theirs = await asyncio.gather(
+            asyncio.gather(*(job.result(timeout=30) for job in jobs)),
+            asyncio.gather(*(job.result(timeout=30) for job in attached)),
+        )
+        notices = await submitter._redis.xrange(submitter.keys.wake(submitter.client_id))
+        others = await other._redis.xrange(other.keys.wake(other.client_id))
+    assert not [fields for _, fields in others if b"r" in fields]  # only the wakes of its own follows
+    assert [r.token_ids for r in theirs] == [r.token_ids for r in own] and all(len(r.token_ids) == 20 for r in own)
+    named = {key.decode() for _, fields in notices for key in fields.get(b"r", b"").split()}
+    assert named == {submitter.keys.result(job.id) for job in jobs}

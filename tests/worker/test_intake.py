@@ -44,6 +44,17 @@ def test_unreadable_entries_become_dead_letters(raw: bytes, reason: str) -> None
     assert isinstance(decision, DeadLetter) and reason in decision.reason and decision.raw == raw
 
 
+def test_the_submitting_client_is_read_from_the_entry_and_answered_too() -> None:
+    notified = {**entry(valid()), b"n": b"client-7"}
+    accepted = decide(b"1-0", notified, LIMITS)
+    assert isinstance(accepted, Accepted) and accepted.notify == "client-7"
+    rejected = decide(b"1-0", {**entry(valid(deadline=1)), b"n": b"client-7"}, LIMITS)
+    assert isinstance(rejected, Rejected) and rejected.notify == "client-7"
+    for hint in (b"a b", b"{x}", b"\xff", b""):  # only a hint: an unusable one is ignored, the request runs
+        decision = decide(b"1-0", {**entry(valid()), b"n": hint}, LIMITS)
+        assert isinstance(decision, Accepted) and decision.notify is None
+
+
 def test_entry_without_the_m_field_is_a_dead_letter() -> None:
     assert isinstance(decide(b"1-0", {b"x": b"1"}, LIMITS), DeadLetter)
 

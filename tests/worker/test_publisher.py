@@ -116,3 +116,17 @@ async def test_fenced_writes_are_dropped_and_reported(redis: Any) -> None:
     assert fenced == [("r", 1)] and publisher.stats.fenced == 1
     assert (await redis.xpending(KEYS.requests, CONSUMER_GROUP))["pending"] == 1  # the stale ack was refused
     flusher.cancel()
+
+
+async def test_each_client_gets_one_notice_per_flush_naming_its_streams(redis: Any) -> None:
+    publisher = Publisher(redis, KEYS)
+    flusher = asyncio.create_task(publisher.run())
+    for request_id, client_id in (("r0", "c1"), ("r1", "c1"), ("r2", "c2"), ("r3", None)):
+        publisher.tokens(Target(request_id, 60, notify=client_id), TokensEvent(seq=0, ids=[1], text="a"))
+    await publisher.wait_idle()
+    c1, c2 = await redis.xrange(KEYS.wake("c1")), await redis.xrange(KEYS.wake("c2"))
+    assert [fields[b"r"].split() for _, fields in c1] == [[KEYS.result("r0").encode(), KEYS.result("r1").encode()]]
+    assert [fields[b"r"] for _, fields in c2] == [KEYS.result("r2").encode()]
+    assert 0 < await redis.ttl(KEYS.wake("c1")) <= 600
+    assert len(await redis.keys(f"{KEYS.tag}:wake:*")) == 2  # r3 named no client: no notice
+    flusher.cancel()
