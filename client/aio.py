@@ -16,7 +16,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from client._core import DEFAULT_URL, BaseClient, BaseJob, Delta, Outcome, Result, connect_kwargs, queue_full_delays
 from client._mux import BLOCK_S, ENTRIES_PER_STREAM, WAKE_DELAY_S, Follower, MuxCore, max_block_ms
 from client.errors import LLMQError, QueueFull
-from client.protocol import DEFAULT_PREFIX, ChatMessage, RequestLimits
+from client.protocol import DEFAULT_PREFIX, ChatMessage, Lane, RequestLimits
 from client.store import Keys, QueueStatus, queue_cancel_commands, queue_status_commands, status_from_replies
 
 _RECONNECTABLE = (RedisConnectionError, RedisTimeoutError)
@@ -27,7 +27,7 @@ class AsyncClient(BaseClient):
 
     :param url: `redis://` or `rediss://` URL, credentials included (they never appear in messages).
     :param queue: default queue for `submit`; each call may name another.
-    :param max_queue_len: backlog at which `submit` raises `QueueFull` (0 = no limit).
+    :param max_queue_len: a lane's backlog at which `submit` raises `QueueFull` (0 = no limit).
     :param result_ttl: seconds a result (and the idempotency marker) outlives the last write.
     :param limits: checked before submitting (default `RequestLimits()`); workers enforce their own too.
     :param redis: an existing `redis.asyncio.Redis` (decode_responses=False) to use instead of `url`;
@@ -103,10 +103,17 @@ class AsyncClient(BaseClient):
         stop: list[str] | None = None,
         seed: int | None = None,
         ignore_eos: bool | None = None,
+        logprobs: bool | None = None,
+        top_logprobs: int | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        response_format: Mapping[str, Any] | None = None,
         queue: str | None = None,
         deadline: float | timedelta | datetime | None = None,
         request_id: str | None = None,
         reply_to: str | None = None,
+        priority: Lane = "default",
     ) -> AsyncJob:
         """Queue one request (exactly one of `prompt`, `messages`, `input_ids`) and return its job.
 
@@ -115,8 +122,12 @@ class AsyncClient(BaseClient):
         an id again is a no-op that returns a job following the first submission. `deadline` is seconds
         from now, a timedelta or a datetime; past it, workers answer `expired` instead of generating.
         `reply_to` names a shared stream (`Keys.reply(name)`) that also receives the final result, for a
-        pipeline stage that reads completions with its own consumer group. Raises `QueueFull` when the
-        queue's backlog is at `max_queue_len`.
+        pipeline stage that reads completions with its own consumer group. `response_format` constrains the
+        output: `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`, `{"type":
+        "json_object"}` or `{"type": "regex", "regex": ...}`; `logprobs` adds each token's log-probability (and
+        `top_logprobs` alternatives) to the deltas and the result. `priority` is the lane:
+        `interactive` (served first, and may preempt lower lanes), `default` or `batch`. Raises `QueueFull`
+        when the lane's backlog is at `max_queue_len`.
         """
         keys = self.keys_for(queue)
         request = self.build_request(
@@ -134,10 +145,16 @@ class AsyncClient(BaseClient):
                 "stop": stop,
                 "seed": seed,
                 "ignore_eos": ignore_eos,
+                "logprobs": logprobs,
+                "top_logprobs": top_logprobs,
+                "repetition_penalty": repetition_penalty,
+                "presence_penalty": presence_penalty,
+                "frequency_penalty": frequency_penalty,
+                "response_format": response_format,
             },
         )
-        script_keys, args = self.submit_args(request, keys)
-        self.check_submitted(await self._scripts.submit(keys=script_keys, args=args), keys)
+        script_keys, args = self.submit_args(request, keys, priority)
+        self.check_submitted(await self._scripts.submit(keys=script_keys, args=args), keys, priority)
         return AsyncJob(self, request.id, keys)
 
     async def submit_many(
@@ -213,6 +230,9 @@ class AsyncJob(BaseJob):
         The client's reader follows the stream (with every other awaited job's, over one connection); a lost
         connection is retried with backoff for about 30 s, resuming after the last entry read."""
         reader, started = self._reader, time.monotonic()
+        if reader.builder.finished:  # read to its end already (`result()` after `stream()`): nothing to follow
+            reader.builder.raise_for_error()
+            return
         mux = self._client._mux(self.keys)
         follower = mux.follow(reader.key, reader.last_id)
         try:

@@ -25,12 +25,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from client.errors import InvalidRequest, LLMQError
+from client.openai_format import CHAT, COMPLETIONS, FieldError, completion_body, translate
+from client.protocol import Lane
 from client.sync import Client
-
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
-_BODY_FIELDS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p"}
-_BODY_FIELDS |= {"stop", "seed", "user", "n", "stream"}
 
 
 @dataclass
@@ -84,27 +81,13 @@ def parse_line(number: int, text: str, identity: str) -> Line:
 
 
 def _options(body: dict[str, Any], url: str) -> tuple[dict[str, Any], str | None]:
-    unknown = sorted(set(body) - _BODY_FIELDS)
-    if unknown:
-        return {}, f"unsupported body fields: {', '.join(unknown)}"
-    if body.get("n", 1) != 1 or body.get("stream", False):
-        return {}, "n > 1 and stream are not supported in a batch"
-    source = "messages" if url == CHAT else "prompt"
-    if source not in body:
-        return {}, f"{url} needs body.{source}"
-    options: dict[str, Any] = {source: body[source]}
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    for name, value in (("max_new_tokens", max_tokens), ("temperature", body.get("temperature"))):
-        if value is not None:
-            options[name] = value
-    if body.get("top_p") is not None:
-        options["top_p"] = body["top_p"]
-    stop = body.get("stop")
-    if stop is not None:
-        options["stop"] = [stop] if isinstance(stop, str) else stop
-    if body.get("seed") is not None:
-        options["seed"] = body["seed"]
-    return options, None
+    try:
+        translated = translate(body, url)
+    except FieldError as error:
+        return {}, str(error)
+    if translated.stream:
+        return {}, "stream is not supported in a batch"
+    return translated.options, None
 
 
 def output_line(line: Line, model: str, result: Any = None, error: LLMQError | None = None) -> str:
@@ -119,26 +102,9 @@ def output_line(line: Line, model: str, result: Any = None, error: LLMQError | N
         return json.dumps(
             {"id": f"batch_req_{request}", "custom_id": line.custom_id, "response": None, "error": failure}
         )
-    usage = result.usage
-    finish = _FINISH.get(result.finish_reason, "stop")
-    if line.url == CHAT:
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": result.text}}
-        kind = "chat.completion"
-    else:
-        choice, kind = {"index": 0, "text": result.text}, "text_completion"
-    choice["finish_reason"] = finish
-    body = {
-        "id": request,
-        "object": kind,
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": {
-            "prompt_tokens": usage.prompt_tokens,
-            "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        },
-    }
+    body = completion_body(
+        line.url, request, model, int(time.time()), result.text, result.finish_reason, result.usage, result.logprobs
+    )
     response = {"status_code": 200, "request_id": request, "body": body}
     return json.dumps({"id": f"batch_req_{request}", "custom_id": line.custom_id, "response": response, "error": None})
 
@@ -195,8 +161,11 @@ class Progress:
         self.stream.write(f"\r{summary}\x1b[K\n" if self.stream.isatty() else f"llmq batch: {summary}\n")
 
 
-def run_batch(client: Client, source: Path, output: Path, *, window: int, timeout: float | None) -> int:
-    """Runs every line of `source` not yet in `output`; returns how many lines failed in this run."""
+def run_batch(
+    client: Client, source: Path, output: Path, *, window: int, timeout: float | None, priority: Lane = "batch"
+) -> int:
+    """Runs every line of `source` not yet in `output` in lane `priority` (a line's `service_tier` wins);
+    returns how many lines failed in this run."""
     identity = file_identity(source)
     seen = finished_ids(output)  # custom_ids written (and, below, those running): each is one line, once
     with source.open("rb") as stream:
@@ -219,7 +188,7 @@ def run_batch(client: Client, source: Path, output: Path, *, window: int, timeou
                     progress.add(0, failed=True)
                     continue
                 running[next(indexes)] = line  # submit_many numbers the requests in the order they are read
-                yield line.options
+                yield {"priority": priority, **line.options}
 
     with output.open("a", encoding="utf-8") as sink:
         for outcome in client.submit_many(requests(sink), window=window, timeout=timeout):

@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 from client._core import DEFAULT_URL, redact_url
 from client.batch import run_batch
 from client.errors import Cancelled, LLMQError
-from client.protocol import DEFAULT_PREFIX, SamplingParams, ms_now
+from client.protocol import DEFAULT_PREFIX, LANES, SamplingParams, ms_now
 from client.store import QueueStatus
 from client.sync import Client, Job
 
@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     submit.add_argument("--seed", type=int, default=None)
     submit.add_argument("--deadline", type=float, default=None, help="seconds from now")
+    submit.add_argument("--priority", choices=LANES, default="default", help="lane (default: %(default)s)")
     submit.add_argument("--timeout", type=float, default=None, help="seconds to wait for the result")
     submit.add_argument("--no-stream", action="store_true", help="print the text once it is complete")
     submit.add_argument("--json", action="store_true", help="print the final result as one JSON object")
@@ -67,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     batch.add_argument("-o", "--output", type=Path, required=True, metavar="OUTPUT.jsonl")
     batch.add_argument("--window", type=int, default=256, help="requests in flight at once (default: %(default)s)")
     batch.add_argument("--timeout", type=float, default=None, help="seconds to wait for each result")
+    batch.add_argument(
+        "--priority", choices=LANES, default="batch", help="lane, unless a line names a service_tier (%(default)s)"
+    )
     return parser
 
 
@@ -80,6 +84,7 @@ def _submit(client: Client, args: argparse.Namespace) -> int:
         stop=args.stop,
         seed=args.seed,
         deadline=args.deadline,
+        priority=args.priority,
     )
     print(f"llmq: request {job.id}", file=sys.stderr)
     try:
@@ -119,6 +124,12 @@ def _format_status(status: QueueStatus, previous: QueueStatus | None = None) -> 
         f"queue {status.queue}: depth {status.depth}, pending {unknown(status.pending)}, "
         f"lag {unknown(status.lag)}, oldest pending {unknown(status.oldest_pending_age_s, ' s')}, "
         f"dead letters {status.dead}",
+        *(
+            f"  lane {lane.lane}: depth {lane.depth}, pending {unknown(lane.pending)}, lag {unknown(lane.lag)}, "
+            f"oldest pending {unknown(lane.oldest_pending_age_s, ' s')}, backlog ~{lane.backlog_tokens} tokens"
+            + ("" if lane.backlog_seconds is None else f" (~{lane.backlog_seconds:.0f} s at the fleet's rate)")
+            for lane in status.lanes
+        ),
         f"live workers: {len(status.workers)}",
     ]
     now = ms_now()
@@ -166,7 +177,9 @@ def _batch(client: Client, args: argparse.Namespace) -> int:
     if not args.input.is_file():
         print(f"llmq: error: no such input file: {args.input}", file=sys.stderr)
         return 2
-    failed = run_batch(client, args.input, args.output, window=args.window, timeout=args.timeout)
+    failed = run_batch(
+        client, args.input, args.output, window=args.window, timeout=args.timeout, priority=args.priority
+    )
     return 1 if failed else 0
 
 

@@ -8,6 +8,7 @@ the request id when one could be read, so a worker can still answer an invalid r
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ __all__ = [
     "DEFAULT_PREFIX",
     "ENTRY_FIELD",
     "GREEDY_BELOW_TEMPERATURE",
+    "LANES",
     "MAX_EPOCH_MS",
     "MAX_NEW_TOKENS",
     "MAX_RESULT_TTL_S",
@@ -40,6 +42,7 @@ __all__ = [
     "MAX_TEMPERATURE",
     "MAX_TOKEN_ID",
     "MAX_TOP_K",
+    "MAX_TOP_LOGPROBS",
     "MIN_SEED",
     "NOTIFY_FIELD",
     "PROTOCOL_VERSION",
@@ -52,7 +55,13 @@ __all__ = [
     "Event",
     "FinishReason",
     "GenerateRequest",
+    "JsonObjectFormat",
+    "JsonSchemaFormat",
+    "Lane",
+    "LimitSettings",
+    "RegexFormat",
     "RequestLimits",
+    "ResponseFormat",
     "SamplingParams",
     "Timings",
     "TokensEvent",
@@ -74,6 +83,12 @@ _T = TypeVar("_T")
 PROTOCOL_VERSION = 1
 DEFAULT_PREFIX = "llmq"
 ENTRY_FIELD = b"m"
+# Traffic classes, highest first: each is its own request stream (`Keys.lane`); workers fill free slots from the
+# highest lane first, keep a share of slots for lower lanes that have work, and preempt lower lanes for
+# `interactive` requests (handing them back, to be resumed from their published tokens).
+Lane = Literal["interactive", "default", "batch"]
+LANES: tuple[Lane, ...] = ("interactive", "default", "batch")
+
 # A request entry's optional second field: the submitting client's id. Workers name every result stream they
 # write to on that client's wake stream (`Keys.wake`), so its reader reads only streams with news. A hint
 # outside the request, so a worker that predates it ignores it (and the client's sweep still reads).
@@ -103,6 +118,10 @@ MAX_TOP_K = 2**31 - 1  # int32 in the library; workers clamp it to their vocabul
 MAX_RESULT_TTL_S = 30 * 24 * 3600  # Redis refuses an EXPIRE whose deadline overflows int64 ms; 30 days is ample
 MAX_EPOCH_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: deadlines and timestamps
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
+MAX_PENALTY = 2.0  # presence and frequency penalties, as OpenAI bounds them
+MAX_REPETITION_PENALTY = 10.0
+MAX_SCHEMA_BYTES = 65536  # a response format's JSON schema or regex, serialized
 
 
 @dataclass(frozen=True)
@@ -120,7 +139,12 @@ BOUNDS: tuple[Bound, ...] = (
     Bound("params.temperature", 0.0, MAX_TEMPERATURE, f"below {GREEDY_BELOW_TEMPERATURE} (0 included) is greedy"),
     Bound("params.top_p", 0.0, 1.0, "0 excluded"),
     Bound("params.top_k", 0, MAX_TOP_K, "0 is off; clamped to the model's vocabulary"),
-    Bound("params.seed", MIN_SEED, MAX_SEED),
+    Bound("params.seed", MIN_SEED, MAX_SEED, "the same seed gives the same tokens, in any batch, on any worker"),
+    Bound("params.top_logprobs", 0, MAX_TOP_LOGPROBS, "alternatives per token; needs logprobs"),
+    Bound("params.repetition_penalty", 0.0, MAX_REPETITION_PENALTY, "0 excluded; 1 is off; prompt and output"),
+    Bound("params.presence_penalty", -MAX_PENALTY, MAX_PENALTY, "0 is off; tokens of the output"),
+    Bound("params.frequency_penalty", -MAX_PENALTY, MAX_PENALTY, "0 is off; tokens of the output, by count"),
+    Bound("params.response_format", 0, MAX_SCHEMA_BYTES, "bytes of its schema or regex, serialized"),
     Bound("input_ids[]", 0, MAX_TOKEN_ID, "and below the model's vocabulary size"),
     Bound("deadline", 0, MAX_EPOCH_MS, "epoch ms"),
     Bound("submitted", 0, MAX_EPOCH_MS, "epoch ms"),
@@ -188,6 +212,45 @@ _EpochMs = Annotated[int, Field(strict=True, ge=0, le=MAX_EPOCH_MS)]
 _TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN_ID)]
 
 
+def _schema_size(value: Any) -> Any:
+    try:
+        size = len(json.dumps(value, separators=(",", ":")).encode())
+    except (TypeError, ValueError):
+        raise ValueError("must be plain JSON") from None
+    if size > MAX_SCHEMA_BYTES:
+        raise ValueError(f"serialized, it is over {MAX_SCHEMA_BYTES} bytes")
+    return value
+
+
+def _has_schema(value: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(value.get("schema"), dict):
+        raise ValueError("needs 'schema', a JSON schema object (OpenAI's shape: name, schema, strict)")
+    return value
+
+
+class JsonSchemaFormat(_Wire):
+    """Output constrained to a JSON schema, in OpenAI's shape: `json_schema` = {`name`, `schema`, `strict`}."""
+
+    type: Literal["json_schema"] = "json_schema"
+    json_schema: Annotated[dict[str, Any], AfterValidator(_has_schema), AfterValidator(_schema_size)]
+
+
+class JsonObjectFormat(_Wire):
+    """Output constrained to any JSON object."""
+
+    type: Literal["json_object"] = "json_object"
+
+
+class RegexFormat(_Wire):
+    """Output constrained to a regular expression."""
+
+    type: Literal["regex"] = "regex"
+    regex: Annotated[_Text, Field(min_length=1), AfterValidator(_schema_size)]
+
+
+ResponseFormat = Annotated[JsonSchemaFormat | JsonObjectFormat | RegexFormat, Field(discriminator="type")]
+
+
 class SamplingParams(_Wire):
     """Decoding settings; ranges are `BOUNDS`."""
 
@@ -198,6 +261,22 @@ class SamplingParams(_Wire):
     stop: list[Annotated[_Text, Field(min_length=1)]] = Field(default_factory=list)
     seed: Annotated[int, Field(strict=True, ge=MIN_SEED, le=MAX_SEED)] | None = None
     ignore_eos: Annotated[bool, Field(strict=True)] = False
+    # Each generated token's log-probability (and `top_logprobs` alternatives), from the distribution it was
+    # drawn from: after penalties, the response format's mask, temperature, top-k and top-p.
+    logprobs: Annotated[bool, Field(strict=True)] = False
+    top_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_TOP_LOGPROBS)] = 0
+    repetition_penalty: Annotated[
+        float, Field(strict=True, gt=0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)
+    ] = 1.0
+    presence_penalty: Annotated[float, Field(strict=True, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)] = 0.0
+    frequency_penalty: Annotated[float, Field(strict=True, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)] = 0.0
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _logprobs_asked(self) -> SamplingParams:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs")
+        return self
 
 
 class ChatMessage(_Wire):
@@ -215,6 +294,27 @@ class RequestLimits:
     max_new_tokens: int = 8192
     max_stop: int = 8
     max_stop_bytes: int = 256  # per stop string, UTF-8
+
+
+class LimitSettings(BaseModel):
+    """`RequestLimits` as settings fields (`LLMQ_MAX_PROMPT_BYTES`, ...), shared by the worker's and the gateway's
+    settings classes, which mix it in."""
+
+    max_prompt_bytes: int = Field(default=RequestLimits.max_prompt_bytes, ge=1)
+    max_input_ids: int = Field(default=RequestLimits.max_input_ids, ge=1)
+    max_new_tokens: int = Field(default=RequestLimits.max_new_tokens, ge=1, le=MAX_NEW_TOKENS)
+    max_stop: int = Field(default=RequestLimits.max_stop, ge=0)
+    max_stop_bytes: int = Field(default=RequestLimits.max_stop_bytes, ge=1)
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(
+            max_prompt_bytes=self.max_prompt_bytes,
+            max_input_ids=self.max_input_ids,
+            max_new_tokens=self.max_new_tokens,
+            max_stop=self.max_stop,
+            max_stop_bytes=self.max_stop_bytes,
+        )
 
 
 class GenerateRequest(_Wire):
@@ -243,6 +343,12 @@ class GenerateRequest(_Wire):
         if self.prompt is not None:
             return len(self.prompt.encode())
         return sum(len(m.role.encode()) + len(m.content.encode()) for m in self.messages or ())
+
+    def estimated_tokens(self) -> int:
+        """Prompt + `max_new_tokens`, for backlog estimates where no tokenizer is at hand: a text prompt counts
+        one token per 4 UTF-8 bytes."""
+        prompt = len(self.input_ids) if self.input_ids is not None else -(-self.prompt_bytes() // 4)
+        return prompt + self.params.max_new_tokens
 
     def check_limits(self, limits: RequestLimits) -> None:
         """Raise `LimitExceeded` naming the first limit this request is over."""
@@ -276,6 +382,8 @@ class TokensEvent(_Wire):
     seq: _Count
     ids: Annotated[list[_Count], Field(min_length=1)]
     text: str
+    # With `params.logprobs`, per token of `ids`: [log-probability, text, [[alternative id, log-probability, text]]].
+    logprobs: list[tuple[float, str, list[tuple[_Count, float, str]]]] | None = None
 
 
 class Usage(_Wire):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.protocol import ErrorCode, GenerateRequest
+from client.protocol import ErrorCode, GenerateRequest, JsonObjectFormat, JsonSchemaFormat, RegexFormat, ResponseFormat
 from worker.config import Settings
 from worker.engine import (
     EngineClosed,
@@ -15,9 +15,11 @@ from worker.engine import (
     EngineFailed,
     EngineRequest,
     GenerationParams,
+    OutputFormat,
     RequestRejected,
     Resume,
 )
+from worker.engine.constraints import json_schema_format
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +59,28 @@ def engine_request(request: GenerateRequest, resume: Resume | None = None, *, su
             top_k=params.top_k,
             stop=tuple(params.stop),
             ignore_eos=params.ignore_eos,
+            seed=params.seed,
+            logprobs=params.top_logprobs if params.logprobs else None,
+            repetition_penalty=params.repetition_penalty,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            output_format=output_format(params.response_format),
         ),
         resume=resume,
         suspect=suspect,
     )
+
+
+def output_format(response_format: ResponseFormat | None) -> OutputFormat | None:
+    """The engine's form of a wire response format (a JSON schema serialized canonically, so equal schemas share
+    one compiled grammar)."""
+    if isinstance(response_format, JsonSchemaFormat):
+        return json_schema_format(response_format.json_schema["schema"])
+    if isinstance(response_format, JsonObjectFormat):
+        return OutputFormat("json_object")
+    if isinstance(response_format, RegexFormat):
+        return OutputFormat("regex", response_format.regex)
+    return None
 
 
 def engine_config(settings: Settings) -> EngineConfig:

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from client.protocol import DEFAULT_PREFIX, MAX_NEW_TOKENS, RequestLimits
+from client.protocol import DEFAULT_PREFIX, LimitSettings
 from worker.engine import EngineConfig
 
 _ENGINE = EngineConfig()  # the engine's sizing defaults are the settings' defaults
@@ -23,8 +23,9 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-class Settings(BaseSettings):
-    """Every field is `LLMQ_<NAME>` in the environment and `--<name>` on the command line."""
+class Settings(BaseSettings, LimitSettings):
+    """Every field is `LLMQ_<NAME>` in the environment and `--<name>` on the command line; the request limits
+    (`LimitSettings`) too."""
 
     model_config = SettingsConfigDict(
         env_prefix="LLMQ_",
@@ -64,13 +65,6 @@ class Settings(BaseSettings):
     prefix_sharing: bool = Field(_ENGINE.prefix_sharing, description="share KV blocks of identical prompt prefixes")
     seed: int | None = Field(None, description="seed for sampling (per engine)")
 
-    # Requests
-    max_prompt_bytes: int = Field(RequestLimits.max_prompt_bytes, ge=1)
-    max_input_ids: int = Field(RequestLimits.max_input_ids, ge=1)
-    max_new_tokens: int = Field(RequestLimits.max_new_tokens, ge=1, le=MAX_NEW_TOKENS)
-    max_stop: int = Field(RequestLimits.max_stop, ge=0)
-    max_stop_bytes: int = Field(RequestLimits.max_stop_bytes, ge=1)
-
     # Service
     read_block_ms: int = Field(500, ge=1, description="XREADGROUP BLOCK; also how fast a stop is noticed")
     heartbeat_s: float = Field(2.0, gt=0, description="how often the worker publishes its stats")
@@ -85,6 +79,11 @@ class Settings(BaseSettings):
     max_hand_backs: int = Field(
         10, ge=0, description="hand-backs (shutdowns, engine failures) that do not count as deliveries"
     )
+    lane_share: float = Field(
+        0.1, ge=0, le=0.5, description="share of max_running each lower lane (default, batch) keeps while it has work"
+    )
+    preemption: bool = Field(True, description="hand back lower-lane requests to start a waiting interactive one")
+    max_preemptions: int = Field(3, ge=0, description="times one request may be preempted; then it runs to the end")
     max_buffered_events: int = Field(100_000, ge=1, description="events held while Redis is down; then intake pauses")
     health_file: Path = Field(
         Path(tempfile.gettempdir()) / "llmq-worker.health",
@@ -96,13 +95,3 @@ class Settings(BaseSettings):
     metrics_address: str = Field("0.0.0.0", description="address the metrics endpoint listens on")
     log_format: Literal["console", "json"] = "console"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-
-    @property
-    def limits(self) -> RequestLimits:
-        return RequestLimits(
-            max_prompt_bytes=self.max_prompt_bytes,
-            max_input_ids=self.max_input_ids,
-            max_new_tokens=self.max_new_tokens,
-            max_stop=self.max_stop,
-            max_stop_bytes=self.max_stop_bytes,
-        )

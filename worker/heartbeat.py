@@ -41,6 +41,8 @@ class Heartbeat:
         self._tokens_generated = tokens_generated
         self._log = log
         self.started_ms = ms_now()
+        self._seen: dict[str, tuple[int, int]] = {}  # worker id -> (tokens generated, heartbeat ms) last seen
+        self._rates: dict[str, float] = {}  # worker id -> tokens/s between its last two heartbeats, smoothed
 
     async def run(self, finished: asyncio.Event) -> None:
         while not finished.is_set():
@@ -59,9 +61,27 @@ class Heartbeat:
         queue_status_commands(pipe, self._keys)
         replies = await pipe.execute(raise_on_error=False)
         status = status_from_replies(self._keys.queue, replies, stale_after_s=_STALE_WORKER_S)
-        self._metrics.set_queue(status.depth, status.pending, status.lag)
+        self._metrics.set_queue(status)
         if status.stale_workers:
             await self._redis.hdel(self._keys.workers, *status.stale_workers)
+        rate = self._measure_fleet_rate(status.workers)
+        if rate is not None:
+            ttl = max(10, int(5 * self._settings.heartbeat_s))
+            await self._redis.set(self._keys.fleet_rate, f"{rate:.3f}", ex=ttl)
+
+    def _measure_fleet_rate(self, workers: list[WorkerInfo]) -> float | None:
+        """The live workers' tokens per second (each between its last two heartbeats we saw, smoothed), summed;
+        the backlog gauges divide by it. Every worker measures the same fleet: the last to write wins."""
+        recent = ms_now() - int(3 * self._settings.heartbeat_s * 1000)
+        for worker in workers:
+            before = self._seen.get(worker.id)
+            if before is not None and worker.heartbeat > before[1]:
+                rate = 1000 * max(0, worker.tokens_generated - before[0]) / (worker.heartbeat - before[1])
+                last = self._rates.get(worker.id)
+                self._rates[worker.id] = rate if last is None else 0.5 * last + 0.5 * rate
+            self._seen[worker.id] = (worker.tokens_generated, worker.heartbeat)
+        live = [self._rates[w.id] for w in workers if w.heartbeat >= recent and w.id in self._rates]
+        return sum(live) if live else None
 
     def info(self) -> WorkerInfo:
         stats = self._engine.stats()

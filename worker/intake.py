@@ -15,6 +15,7 @@ from typing import Any
 import msgpack
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
+from redis.typing import KeyT, StreamIdT
 
 from client.errors import InvalidRequest, MalformedEntry, UnsupportedVersion
 from client.protocol import (
@@ -23,6 +24,7 @@ from client.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
     GenerateRequest,
+    Lane,
     RequestLimits,
     TokensEvent,
     decode_event,
@@ -30,7 +32,7 @@ from client.protocol import (
     is_valid_name,
     ms_now,
 )
-from client.store import CONSUMER_GROUP, Fence, Keys
+from client.store import CONSUMER_GROUP, Fence, Keys, Scripts
 from worker.leases import Claimed
 
 
@@ -39,6 +41,7 @@ class Accepted:
     entry_id: bytes
     request: GenerateRequest
     notify: str | None = None  # the submitting client, told of every write (`NOTIFY_FIELD`)
+    lane: Lane = "default"  # whose stream the entry is in
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,12 +53,22 @@ class Rejected:
     result_ttl: int = 3600
     reply_to: str | None = None  # known when the request itself could be read
     notify: str | None = None
+    lane: Lane = "default"
 
     @classmethod
     def answering(cls, accepted: Accepted, code: ErrorCode, message: str) -> Rejected:
         """A readable request's refusal, which goes where its events would have gone."""
         request = accepted.request
-        return cls(accepted.entry_id, request.id, code, message, request.result_ttl, request.reply_to, accepted.notify)
+        return cls(
+            accepted.entry_id,
+            request.id,
+            code,
+            message,
+            request.result_ttl,
+            request.reply_to,
+            accepted.notify,
+            accepted.lane,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +76,7 @@ class DeadLetter:
     entry_id: bytes
     raw: bytes
     reason: str
+    lane: Lane = "default"
 
 
 Decision = Accepted | Rejected | DeadLetter
@@ -74,23 +88,24 @@ def decide(
     limits: RequestLimits,
     now_ms: int | None = None,
     check_deadline: bool = True,
+    lane: Lane = "default",
 ) -> Decision:
     """What to do with one stream entry (pure: no I/O, so every branch is unit-tested). A claimed entry skips
     the deadline: it was started in time, and an earlier attempt may have published part of its answer."""
     raw = fields.get(ENTRY_FIELD)
     if raw is None:
-        return DeadLetter(entry_id, b"", f"entry has no field {ENTRY_FIELD.decode()!r}")
+        return DeadLetter(entry_id, b"", f"entry has no field {ENTRY_FIELD.decode()!r}", lane)
     notify = _client_id(fields.get(NOTIFY_FIELD))
     try:
         request = decode_request(raw)
     except (UnsupportedVersion, InvalidRequest) as error:
         if error.request_id is None:
-            return DeadLetter(entry_id, raw, str(error))
+            return DeadLetter(entry_id, raw, str(error), lane)
         code = ErrorCode.UNSUPPORTED_VERSION if isinstance(error, UnsupportedVersion) else ErrorCode.INVALID_REQUEST
-        return Rejected(entry_id, error.request_id, code, str(error), notify=notify)
+        return Rejected(entry_id, error.request_id, code, str(error), notify=notify, lane=lane)
     except MalformedEntry as error:
-        return DeadLetter(entry_id, raw, str(error))
-    accepted = Accepted(entry_id, request, notify)
+        return DeadLetter(entry_id, raw, str(error), lane)
+    accepted = Accepted(entry_id, request, notify, lane)
     try:
         request.check_limits(limits)
     except InvalidRequest as error:
@@ -122,6 +137,7 @@ class Ready:
     engine_failures: int = 0  # engine failures this request was implicated in, on any worker
     first_started_ms: int | None = None  # when the first attempt started (epoch ms), for whole-request timings
     first_token_ms: int | None = None  # when an earlier attempt published the first token
+    preemptions: int = 0  # times it was handed back to make room for an interactive request
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,33 +198,55 @@ def decide_ready(
 
 
 class Intake:
-    """The worker's side of the consumer group `workers` on `{<queue>}:requests`."""
+    """The worker's side of the consumer group `workers` on each lane's request stream."""
 
-    def __init__(self, redis: Redis, keys: Keys, consumer: str, limits: RequestLimits, dead_maxlen: int) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        consumer: str,
+        limits: RequestLimits,
+        dead_maxlen: int,
+        scripts: Scripts | None = None,
+    ) -> None:
         self._redis = redis
         self._keys = keys
         self._consumer = consumer
         self._limits = limits
         self._dead_maxlen = dead_maxlen
+        self._scripts = scripts or Scripts.register(redis)
 
     async def ensure_group(self) -> None:
-        """Creates the group at id 0 (so entries added before any worker started are read) if it is missing."""
-        try:
-            await self._redis.xgroup_create(self._keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
-        except ResponseError as error:
-            if "BUSYGROUP" not in str(error):
-                raise
+        """Creates each lane's group at id 0 (so entries added before any worker started are read) if missing."""
+        for stream in self._keys.lanes.values():
+            try:
+                await self._redis.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+            except ResponseError as error:
+                if "BUSYGROUP" not in str(error):
+                    raise
 
-    async def read(self, count: int, block_ms: int) -> list[Decision]:
-        """New entries, at most `count` (the engine's free slots), blocking at most `block_ms`."""
-        reply: Any = await self._redis.xreadgroup(
-            CONSUMER_GROUP, self._consumer, {self._keys.requests: ">"}, count=count, block=block_ms
-        )
-        return [decide(entry_id, fields, self._limits) for _, entries in reply or [] for entry_id, fields in entries]
+    async def read(self, free: int, steps: list[tuple[Lane, int]], block_ms: int | None) -> list[Decision]:
+        """New entries, at most `free` (the engine's free slots), taken lane by lane as `steps` (lane, wanted)
+        say; when there are none, waits at most `block_ms` (None: not at all) for the next entry of any lane
+        and returns none."""
+        lanes = list(self._keys.lanes)
+        args: list[Any] = [CONSUMER_GROUP, self._consumer, free]
+        for lane, wanted in steps:
+            args += [lanes.index(lane) + 1, wanted]
+        read, last = await self._scripts.read(keys=list(self._keys.lanes.values()), args=args)
+        if read:
+            return [
+                decide(entry_id, _fields(flat), self._limits, lane=lanes[int(index) - 1])
+                for index, entry_id, flat in read
+            ]
+        if block_ms is not None:
+            streams: dict[KeyT, StreamIdT] = dict(zip(self._keys.lanes.values(), last, strict=True))
+            await self._redis.xread(streams, count=1, block=block_ms)  # only a wake-up: the next call reads
+        return []
 
-    def decide_claimed(self, claimed: list[Claimed]) -> tuple[list[Decision], dict[bytes, int]]:
-        """Claimed entries go through the same decisions; also returns each entry's delivery count."""
-        return [decide(c.entry_id, c.fields, self._limits) for c in claimed], {
+    def decide_claimed(self, lane: Lane, claimed: list[Claimed]) -> tuple[list[Decision], dict[bytes, int]]:
+        """Claimed entries of one lane go through the same decisions; also returns each entry's delivery count."""
+        return [decide(c.entry_id, c.fields, self._limits, lane=lane) for c in claimed], {
             c.entry_id: c.deliveries for c in claimed
         }
 
@@ -231,7 +269,7 @@ class Intake:
                 pipe.expire(fence, item.request.result_ttl)
                 pipe.exists(self._keys.cancel(item.request.id))
                 pipe.xrange(self._keys.result(item.request.id))
-                pipe.hmget(fence, Fence.HANDED_BACK, Fence.ENGINE_FAILURES, Fence.STARTED)
+                pipe.hmget(fence, Fence.HANDED_BACK, Fence.ENGINE_FAILURES, Fence.STARTED, Fence.PREEMPTED)
             replies = await pipe.execute(raise_on_error=False)
         ready, refused = [], []
         for index, item in enumerate(accepted):
@@ -241,10 +279,10 @@ class Intake:
                 message = f"Redis refused this request's keys: {failure}"
                 refused.append(Rejected.answering(item, ErrorCode.INTERNAL, message))
                 continue
-            attempt, _, _, cancelled, events, (handed_back, failures, started) = answers
+            attempt, _, _, cancelled, events, (handed_back, failures, started, preempted) = answers
             ids, text, finished, first_token_ms = _earlier_output(events)
-            handed_back = min(int(handed_back or 0), forgiven_hand_backs)
-            count = (deliveries or {}).get(item.entry_id, 1) - handed_back
+            forgiven = min(int(handed_back or 0), forgiven_hand_backs) + int(preempted or 0)
+            count = (deliveries or {}).get(item.entry_id, 1) - forgiven
             ready.append(
                 Ready(
                     item,
@@ -257,6 +295,7 @@ class Intake:
                     engine_failures=int(failures or 0),
                     first_started_ms=int(started) if started else None,
                     first_token_ms=first_token_ms,
+                    preemptions=int(preempted or 0),
                 )
             )
         return ready, refused
@@ -269,9 +308,14 @@ class Intake:
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.xadd(self._keys.dead, entry, maxlen=self._dead_maxlen, approximate=True)
             if acknowledge:
-                pipe.xack(self._keys.requests, CONSUMER_GROUP, letter.entry_id)
-                pipe.xdel(self._keys.requests, letter.entry_id)
+                pipe.xack(self._keys.lane(letter.lane), CONSUMER_GROUP, letter.entry_id)
+                pipe.xdel(self._keys.lane(letter.lane), letter.entry_id)
             await pipe.execute()
+
+
+def _fields(flat: list[bytes]) -> dict[bytes, bytes]:
+    """An entry's fields as a script returns them: a flat [name, value, ...] list."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 def _earlier_output(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> tuple[list[int], str, bool, int | None]:

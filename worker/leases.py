@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from client.store import CONSUMER_GROUP, Keys, Scripts
+from client.protocol import Lane
+from client.store import CONSUMER_GROUP, HAND_BACK_DRAIN, Keys, Scripts
 
 _HANDED_BACK_IDLE_MS = 365 * 24 * 3600 * 1000  # idle "for a year": any worker's next XAUTOCLAIM takes it
 
@@ -24,11 +25,20 @@ class Claimed:
 
 
 class Leases:
+    """The leases of one lane's request stream (`Keys.lane`)."""
+
     def __init__(
-        self, redis: Redis, keys: Keys, consumer: str, lease_timeout_s: float, scripts: Scripts | None = None
+        self,
+        redis: Redis,
+        keys: Keys,
+        consumer: str,
+        lease_timeout_s: float,
+        scripts: Scripts | None = None,
+        lane: Lane = "default",
     ) -> None:
         self._redis = redis
         self._keys = keys
+        self._stream = keys.lane(lane)
         self._consumer = consumer
         self._lease_ms = int(lease_timeout_s * 1000)
         self._scripts = scripts or Scripts.register(redis)
@@ -38,7 +48,7 @@ class Leases:
         """Resets the idle time of the entries still ours; returns those we lost."""
         if not entry_ids:
             return set()
-        lost = await self._scripts.renew(keys=[self._keys.requests], args=[CONSUMER_GROUP, self._consumer, *entry_ids])
+        lost = await self._scripts.renew(keys=[self._stream], args=[CONSUMER_GROUP, self._consumer, *entry_ids])
         return {_bytes(entry_id) for entry_id in lost}
 
     async def claim(self, count: int) -> list[Claimed]:
@@ -46,7 +56,7 @@ class Leases:
         if count < 1:
             return []
         reply = await self._redis.xautoclaim(
-            self._keys.requests, CONSUMER_GROUP, self._consumer, self._lease_ms, start_id=self._cursor, count=count
+            self._stream, CONSUMER_GROUP, self._consumer, self._lease_ms, start_id=self._cursor, count=count
         )
         self._cursor, entries = reply[0], reply[1]
         # Redis 7 drops entries deleted meanwhile and lists them apart; 6.2 returns them with no fields.
@@ -55,21 +65,20 @@ class Leases:
             return []
         async with self._redis.pipeline(transaction=False) as pipe:
             for entry_id, _ in entries:
-                pipe.xpending_range(self._keys.requests, CONSUMER_GROUP, min=entry_id, max=entry_id, count=1)
+                pipe.xpending_range(self._stream, CONSUMER_GROUP, min=entry_id, max=entry_id, count=1)
             pending = await pipe.execute()
         return [
             Claimed(_bytes(entry_id), fields, int(info[0]["times_delivered"]) if info else 1)
             for (entry_id, fields), info in zip(entries, pending, strict=True)
         ]
 
-    async def hand_back(self, entries: list[tuple[bytes, str]], *, engine_failure: bool = False) -> int:
-        """Makes the (entry id, request id) pairs we still own claimable at once; used at shutdown and after an
-        engine failure (`engine_failure`: they were implicated in it). Returns how many were ours to hand back."""
+    async def hand_back(self, entries: list[tuple[bytes, str]], reason: int = HAND_BACK_DRAIN) -> int:
+        """Makes the (entry id, request id) pairs we still own claimable at once: at shutdown, after an engine
+        failure that implicated them, or to preempt them (`HAND_BACK_*`). Returns how many were ours."""
         if not entries:
             return 0
-        keys = [self._keys.requests, *(self._keys.fence(request_id) for _, request_id in entries)]
-        flag = int(engine_failure)
-        args = [CONSUMER_GROUP, self._consumer, _HANDED_BACK_IDLE_MS, flag, *(entry_id for entry_id, _ in entries)]
+        keys = [self._stream, *(self._keys.fence(request_id) for _, request_id in entries)]
+        args = [CONSUMER_GROUP, self._consumer, _HANDED_BACK_IDLE_MS, reason, *(entry_id for entry_id, _ in entries)]
         return int(await self._scripts.hand_back(keys=keys, args=args))
 
 

@@ -1,5 +1,6 @@
 """structlog setup: one line per event, JSON for machines or console for people, request ids bound by the
-intake (`bind_contextvars`), and no secrets: URLs in any field have their password replaced."""
+intake (`bind_contextvars`), and no secrets: URLs in any field have their password replaced. The gateway
+uses it too: this module imports nothing of the worker's (no torch)."""
 
 from __future__ import annotations
 
@@ -40,5 +41,5 @@ def configure(log_format: str = "console", level: str = "info") -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
-def get_logger(**bound: Any) -> structlog.typing.FilteringBoundLogger:
-    return structlog.get_logger("llmq.worker").bind(**bound)
+def get_logger(name: str = "llmq.worker", **bound: Any) -> structlog.typing.FilteringBoundLogger:
+    return structlog.get_logger(name).bind(**bound)

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from client.store import QueueStatus
 from worker.engine.interface import GenerationEngine
 from worker.publisher import PublisherStats
 
@@ -126,9 +127,27 @@ class Metrics:
         self.quarantined = counter(
             "llmq:requests_quarantined", "Requests quarantined after repeated engine failures (poison_request)."
         )
-        self.queue_depth = gauge("llmq:queue_depth", "Entries in the request stream (unfinished work).")
-        self.queue_pending = gauge("llmq:queue_pending", "Entries delivered to a worker and not yet acknowledged.")
-        self.queue_lag = gauge("llmq:queue_lag", "Entries not yet delivered to any worker.")
+
+        def per_lane(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, [*names, "lane"], registry=self.registry)
+
+        self.queue_depth = per_lane("llmq:queue_depth", "Entries in the lane's request stream (unfinished work).")
+        self.queue_pending = per_lane("llmq:queue_pending", "Entries delivered to a worker and not yet acknowledged.")
+        self.queue_lag = per_lane("llmq:queue_lag", "Entries not yet delivered to any worker.")
+        self.oldest_pending = per_lane("llmq:queue_oldest_pending_seconds", "Age of the oldest delivered request.")
+        self.backlog_requests = per_lane("llmq:backlog_requests", "Requests waiting or running in the lane.")
+        self.backlog_tokens = per_lane(
+            "llmq:backlog_tokens", "Prompt + max_new_tokens of the lane's requests (estimated from a sample)."
+        )
+        self.backlog_seconds = per_lane(
+            "llmq:backlog_seconds", "The lane's backlog tokens over the fleet's measured tokens/s (-1: rate unknown)."
+        )
+        self.preemptions = Counter(
+            "llmq:preemptions",
+            "Requests handed back to make room for interactive ones.",
+            [*names, "lane"],
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(engine, labels))
         max_batch_tokens = engine.stats().max_batch_tokens
         engine.observe_steps(lambda tokens: self.batch_fill.observe(tokens / max_batch_tokens))
@@ -140,7 +159,17 @@ class Metrics:
         """Serves `/metrics` over HTTP from a daemon thread."""
         start_http_server(port, addr=address, registry=self.registry)
 
-    def set_queue(self, depth: int, pending: int | None, lag: int | None) -> None:
-        self.queue_depth.set(depth)
-        self.queue_pending.set(pending or 0)
-        self.queue_lag.set(lag or 0)
+    def preempted(self, lane: str) -> None:
+        self.preemptions.labels(**self._labels, lane=lane).inc()
+
+    def set_queue(self, status: QueueStatus) -> None:
+        for lane in status.lanes:
+            labels = {**self._labels, "lane": lane.lane}
+            self.queue_depth.labels(**labels).set(lane.depth)
+            self.queue_pending.labels(**labels).set(lane.pending or 0)
+            self.queue_lag.labels(**labels).set(lane.lag or 0)
+            self.oldest_pending.labels(**labels).set(lane.oldest_pending_age_s or 0)
+            self.backlog_requests.labels(**labels).set(lane.depth)
+            self.backlog_tokens.labels(**labels).set(lane.backlog_tokens)
+            seconds = lane.backlog_seconds
+            self.backlog_seconds.labels(**labels).set(-1 if seconds is None else seconds)

@@ -26,7 +26,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from client.protocol import Completion, DoneEvent, ErrorEvent, TokensEvent, encode
+from client.protocol import Completion, DoneEvent, ErrorEvent, Lane, TokensEvent, encode
 from client.store import CONSUMER_GROUP, WAKE_MAXLEN, WAKE_TTL_S, Keys, Scripts
 
 # Anything Redis says goes back in the queue: an outage, a restart still loading, and also an answer like
@@ -46,6 +46,7 @@ class Target:
     entry_id: bytes = b""
     reply_to: str | None = None  # also append the final result to this `reply_to` stream
     notify: str | None = None  # the client id whose wake stream is told of every write
+    lane: Lane = "default"  # whose request stream `entry_id` is in
 
 
 @dataclass(slots=True)
@@ -164,14 +165,14 @@ class Publisher:
                 self._idle.set()
 
     async def _send(self, batch: list[_Pending]) -> list[int | bytes]:
-        keys: list[str] = [self._keys.requests]
+        keys: list[str] = []
         args: list[Any] = [CONSUMER_GROUP, self._reply_maxlen, WAKE_MAXLEN, WAKE_TTL_S]
         for item in batch:
             target = item.target
             result = self._keys.result(target.request_id)
             reply = self._keys.reply(target.reply_to) if target.reply_to is not None else result
             wake = self._keys.wake(target.notify) if target.notify is not None else result
-            keys += [result, self._keys.fence(target.request_id), reply, wake]
+            keys += [self._keys.lane(target.lane), result, self._keys.fence(target.request_id), reply, wake]
             attempt = "" if target.attempt is None else target.attempt
             ack = target.entry_id if item.final else b""
             args += [attempt, target.ttl_s, item.event, item.seq, item.size, ack, item.completion]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from structlog.typing import FilteringBoundLogger
 
 from client.protocol import DoneEvent, ErrorEvent, GenerateRequest, Timings, TokensEvent, Usage, ms_now
 from worker.adapter import wire_error
-from worker.engine import DeltaStream, EngineClosed, EngineError, EngineFailed
+from worker.engine import DeltaStream, EngineClosed, EngineError, EngineFailed, OutputDelta, TokenLogprob
 from worker.intake import Ready
 from worker.metrics import Metrics
 from worker.publisher import Publisher, Target
@@ -18,7 +19,15 @@ def target_of(ready: Ready) -> Target:
     """Where a ready request's events go, fenced by its attempt."""
     request = ready.accepted.request
     accepted = ready.accepted
-    return Target(request.id, request.result_ttl, ready.attempt, accepted.entry_id, request.reply_to, accepted.notify)
+    return Target(
+        request.id,
+        request.result_ttl,
+        ready.attempt,
+        accepted.entry_id,
+        request.reply_to,
+        accepted.notify,
+        accepted.lane,
+    )
 
 
 def done_event(
@@ -45,6 +54,11 @@ def done_event(
     return DoneEvent(finish_reason=reason, usage=usage, timings=timings)  # type: ignore[arg-type]
 
 
+def _wire_logprob(logprob: TokenLogprob) -> tuple[float, str, list[tuple[int, float, str]]]:
+    alternatives = zip(logprob.top, logprob.top_text, strict=True)
+    return logprob.logprob, logprob.text, [(token, value, text) for (token, value), text in alternatives]
+
+
 class Relay:
     """Owns one running request: publishes its output under its attempt number until it ends or is fenced."""
 
@@ -52,6 +66,9 @@ class Relay:
         self.ready = ready
         self.request = ready.accepted.request
         self.entry_id = ready.accepted.entry_id
+        self.lane = ready.accepted.lane
+        self.preemptions = ready.preemptions
+        self.started = time.monotonic()
         self.target = target_of(ready)
         self.fenced = False  # another worker owns the request now: write nothing more
         self.tokens = len(ready.delivered_ids)
@@ -84,13 +101,7 @@ class Relay:
                         for _ in delta.token_ids:  # a merged delta: its tokens shared the interval
                             self._metrics.inter_token_latency.observe((now - last_ms) / 1000 / len(delta.token_ids))
                     last_ms = now
-                    self._publisher.tokens(
-                        self.target, TokensEvent(seq=self.tokens, ids=delta.token_ids, text=delta.text)
-                    )
-                    self.tokens += len(delta.token_ids)
-                    if self.target.reply_to is not None:
-                        self._texts.append(delta.text)
-                        self._ids.extend(delta.token_ids)
+                    self._publish_tokens(delta)
                 if delta.finish_reason is not None:
                     reason = delta.finish_reason.value
                     event = done_event(
@@ -115,6 +126,15 @@ class Relay:
         except EngineError as error:
             self.fail(error)
         return None
+
+    def _publish_tokens(self, delta: OutputDelta) -> None:
+        logprobs = None if delta.logprobs is None else [_wire_logprob(lp) for lp in delta.logprobs]
+        event = TokensEvent(seq=self.tokens, ids=delta.token_ids, text=delta.text, logprobs=logprobs)
+        self._publisher.tokens(self.target, event)
+        self.tokens += len(delta.token_ids)
+        if self.target.reply_to is not None:
+            self._texts.append(delta.text)
+            self._ids.extend(delta.token_ids)
 
     def fail(self, error: EngineError) -> None:
         """Ends the request with the wire error its engine error maps to."""

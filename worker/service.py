@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from client.protocol import ErrorCode, ErrorEvent, encode
-from client.store import CONSUMER_GROUP, Keys, Scripts
+from client.protocol import LANES, ErrorCode, ErrorEvent, Lane, encode
+from client.store import CONSUMER_GROUP, HAND_BACK_DRAIN, HAND_BACK_ENGINE_FAILURE, HAND_BACK_PREEMPTION, Keys, Scripts
 from worker.adapter import engine_request
 from worker.cancels import CancelListener
 from worker.config import Settings
@@ -34,12 +35,15 @@ from worker.intake import (
     Run,
     decide_ready,
 )
+from worker.lanes import pick_victim, read_steps, reserved_slots
 from worker.leases import Leases
 from worker.logging import get_logger, redact
 from worker.metrics import Metrics
 from worker.pausing import pause
 from worker.publisher import Publisher, Target
 from worker.relay import Relay, done_event, target_of
+
+_PREEMPTIVE_WAIT_MS = 100  # a full worker with preemptible work blocks on the lanes this long at a time
 
 
 class Worker:
@@ -51,8 +55,14 @@ class Worker:
         self.redis = redis
         self.keys = Keys(settings.queue, settings.prefix)
         scripts = Scripts.register(redis)
-        self.intake = Intake(redis, self.keys, settings.worker_id, settings.limits, settings.dead_letter_maxlen)
-        self.leases = Leases(redis, self.keys, settings.worker_id, settings.lease_timeout_s, scripts)
+        self.intake = Intake(
+            redis, self.keys, settings.worker_id, settings.limits, settings.dead_letter_maxlen, scripts
+        )
+        self.leases = {
+            lane: Leases(redis, self.keys, settings.worker_id, settings.lease_timeout_s, scripts, lane)
+            for lane in LANES
+        }
+        self._reserved = reserved_slots(settings.max_running, settings.lane_share)
         self.publisher = Publisher(
             redis,
             self.keys,
@@ -110,12 +120,13 @@ class Worker:
             self.log.info("worker stopped")
 
     async def _leave_group(self) -> None:
-        """Removes this consumer from the group when it holds nothing, so restarts leave no trail of names."""
-        mine = await self.redis.xpending_range(
-            self.keys.requests, CONSUMER_GROUP, min="-", max="+", count=1, consumername=self.settings.worker_id
-        )
-        if not mine:
-            await self.redis.xgroup_delconsumer(self.keys.requests, CONSUMER_GROUP, self.settings.worker_id)
+        """Removes this consumer from each lane's group where it holds nothing, so restarts leave no trail."""
+        for stream in self.keys.lanes.values():
+            mine = await self.redis.xpending_range(
+                stream, CONSUMER_GROUP, min="-", max="+", count=1, consumername=self.settings.worker_id
+            )
+            if not mine:
+                await self.redis.xgroup_delconsumer(stream, CONSUMER_GROUP, self.settings.worker_id)
 
     # ------------------------------------------------------------------ read
 
@@ -127,6 +138,13 @@ class Worker:
     async def _read_until(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             free = self.free_slots()
+            if free == 0 and self.settings.preemption and self._preemptible() is not None:
+                try:
+                    await self._preempt_for_interactive()
+                except RedisError as error:
+                    self.log.warning("reading the interactive lane failed", error=redact(str(error)))
+                    await asyncio.sleep(1.0)
+                continue
             if free == 0:  # read nothing an idle worker could run sooner
                 self._capacity.clear()
                 with contextlib.suppress(TimeoutError):
@@ -136,7 +154,8 @@ class Worker:
             try:
                 free -= await self._claim(free)
                 if free > 0:
-                    await self._start_all(await self.intake.read(free, self.settings.read_block_ms))
+                    steps = read_steps(free, self._running_by_lane(), self._reserved)
+                    await self._start_all(await self.intake.read(free, steps, self.settings.read_block_ms))
             except RedisError as error:  # Redis unreachable: keep serving what is in flight, retry shortly
                 self.log.warning("reading the queue failed", error=redact(str(error)))
                 await asyncio.sleep(1.0)
@@ -147,13 +166,52 @@ class Worker:
         if now < self._next_claim:
             return 0
         self._next_claim = now + self.settings.claim_interval_s
-        claimed = await self.leases.claim(free)
-        if claimed:
-            self.metrics.claims.inc(len(claimed))
-            self.log.info("claimed", count=len(claimed), entries=[c.entry_id.decode() for c in claimed])
-            decisions, deliveries = self.intake.decide_claimed(claimed)
-            await self._start_all(decisions, deliveries)
-        return len(claimed)
+        taken = 0
+        for lane, leases in self.leases.items():  # highest lane first
+            claimed = await leases.claim(free - taken)
+            if claimed:
+                self.metrics.claims.inc(len(claimed))
+                self.log.info("claimed", lane=lane, count=len(claimed), entries=[c.entry_id.decode() for c in claimed])
+                decisions, deliveries = self.intake.decide_claimed(lane, claimed)
+                await self._start_all(decisions, deliveries)
+                taken += len(claimed)
+        return taken
+
+    def _running_by_lane(self) -> dict[Lane, int]:
+        return dict(Counter(relay.lane for relay in self.relays.values() if not relay.fenced))
+
+    def _preemptible(self) -> Relay | None:
+        running = [relay for relay in self.relays.values() if not relay.fenced]
+        return pick_victim(running, self._running_by_lane(), self._reserved, self.settings.max_preemptions)
+
+    async def _preempt_for_interactive(self) -> None:
+        """A full engine running preemptible work: wait (briefly, so a freed slot is noticed soon too) for an
+        interactive request; take it (so no other worker preempts for it as well), hand back the victim
+        `pick_victim` names, and start the request in the slot it frees."""
+        block_ms = min(self.settings.read_block_ms, _PREEMPTIVE_WAIT_MS)
+        decisions = await self.intake.read(1, [("interactive", 1)], block_ms=block_ms)
+        victim = self._preemptible()  # again: the wait may have changed what runs
+        if not decisions:
+            return
+        if victim is None:  # nothing to hand back any more: the request waits for the next free slot here
+            await self._start_all(decisions)
+            return
+        victim.fenced = True  # writes nothing more; whoever claims it resumes from what is published
+        self.engine.cancel(victim.request.id)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(1.0):
+                await self.publisher.wait_idle()
+        await self.leases[victim.lane].hand_back([(victim.entry_id, victim.request.id)], HAND_BACK_PREEMPTION)
+        self.metrics.preempted(victim.lane)
+        self.log.info(
+            "preempted",
+            request_id=victim.request.id,
+            lane=victim.lane,
+            tokens=victim.tokens,
+            preemptions=victim.preemptions + 1,
+            for_entry=decisions[0].entry_id.decode(),
+        )
+        await self._start_all(decisions)
 
     # ------------------------------------------------------------------ start
 
@@ -181,6 +239,7 @@ class Worker:
             entry_id=decision.entry_id,
             reply_to=decision.reply_to,
             notify=decision.notify,
+            lane=decision.lane,
         )
         self.publisher.finish(target, event)
 
@@ -202,7 +261,7 @@ class Worker:
             self.publisher.finish(target_of(ready), event, seq=delivered, output=output)
         elif isinstance(decision, Refuse):
             self.log.warning("refused", request_id=request.id, code=decision.code, reason=decision.reason)
-            letter = DeadLetter(ready.accepted.entry_id, encode(request), decision.reason)
+            letter = DeadLetter(ready.accepted.entry_id, encode(request), decision.reason, ready.accepted.lane)
             await self.intake.dead_letter(letter, acknowledge=False)  # the error event acknowledges it
             self.metrics.dead_letters.inc()
             if decision.code == ErrorCode.POISON_REQUEST:
@@ -242,21 +301,24 @@ class Worker:
     async def _hand_back_failed(self, relay: Relay, failure: EngineFailed) -> None:
         """After an engine failure: whoever claims the request next resumes it, counting the failure against it
         if it was implicated (which quarantines a request that keeps killing engines)."""
+        reason = HAND_BACK_ENGINE_FAILURE if failure.implicated else HAND_BACK_DRAIN
         with contextlib.suppress(RedisError):
-            await self.leases.hand_back([(relay.entry_id, relay.request.id)], engine_failure=failure.implicated)
+            await self.leases[relay.lane].hand_back([(relay.entry_id, relay.request.id)], reason)
 
     # ------------------------------------------------------------------ ownership
 
     async def _renew_leases(self) -> None:
         while await pause(self._finished, self.settings.lease_renew_s):
-            try:
-                lost = await self.leases.renew([relay.entry_id for relay in self.relays.values() if not relay.fenced])
-            except RedisError as error:
-                self.log.warning("renewing leases failed", error=redact(str(error)))
-                continue
-            for relay in list(self.relays.values()):
-                if relay.entry_id in lost:
-                    self._fence_out(relay)
+            for lane, leases in self.leases.items():
+                relays = [relay for relay in self.relays.values() if relay.lane == lane and not relay.fenced]
+                try:
+                    lost = await leases.renew([relay.entry_id for relay in relays])
+                except RedisError as error:
+                    self.log.warning("renewing leases failed", error=redact(str(error)))
+                    continue
+                for relay in relays:
+                    if relay.entry_id in lost:
+                        self._fence_out(relay)
 
     def _fenced(self, request_id: str, attempt: int) -> None:
         """The publisher's report: a write of `attempt` was refused. A newer attempt of ours runs on."""
@@ -281,7 +343,7 @@ class Worker:
             self.engine.cancel(target.request_id)
             raw = encode(relay.request)
         self.log.error("result stream refused; dead-lettered", request_id=target.request_id, error=redact(message))
-        letter = DeadLetter(target.entry_id, raw, f"Redis refused the request's result events: {message}")
+        letter = DeadLetter(target.entry_id, raw, f"Redis refused the request's result events: {message}", target.lane)
         chore = asyncio.create_task(self._dead_letter_quietly(letter))
         self._chores.add(chore)
         chore.add_done_callback(self._chores.discard)
@@ -315,8 +377,9 @@ class Worker:
             self.log.warning("handing back unfinished requests", count=len(left))
             for relay in left:
                 relay.fenced = True  # no more renewals or writes: whoever claims it resumes from what is published
-            with contextlib.suppress(RedisError):
-                await self.leases.hand_back([(relay.entry_id, relay.request.id) for relay in left])
+            for lane, leases in self.leases.items():
+                with contextlib.suppress(RedisError):
+                    await leases.hand_back([(relay.entry_id, relay.request.id) for relay in left if relay.lane == lane])
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(self.settings.drain_timeout_s, 1.0)):
                 await self.publisher.wait_idle()

@@ -48,6 +48,11 @@ README_BOUNDS = {
     "params.top_p": (0, 1),  # > 0
     "params.top_k": (0, 2147483647),
     "params.seed": (-(2**63), 2**64 - 1),
+    "params.top_logprobs": (0, 20),
+    "params.repetition_penalty": (0, 10),  # > 0
+    "params.presence_penalty": (-2, 2),
+    "params.frequency_penalty": (-2, 2),
+    "params.response_format": (0, 65536),  # bytes of the schema or regex
     "input_ids[]": (0, 2147483647),
     "deadline": (0, 253402300799999),
     "submitted": (0, 253402300799999),
@@ -849,17 +854,28 @@ SINGLE_CASES = (
 )
 
 
+def _short_lived(body: dict[str, Any]) -> bool:
+    ttl = body.get("result_ttl")
+    return isinstance(ttl, int) and not isinstance(ttl, bool) and ttl < 10
+
+
 async def _burst(live: LiveWorker, bodies: list[dict[str, Any]]) -> tuple[list[list[Any]], list[list[int]], int]:
     """XADD every body, each followed by a control request, in one go; then collect every answer."""
     dead_before = await live.redis.xlen(KEYS.dead)
+
+    async def answer(body: dict[str, Any]) -> list[Any]:
+        return await _terminal_events(live, body["id"]) if not expect_raw(body, ms_now()).dead else []
+
+    # A stream with a result_ttl of a few seconds may expire before the burst is over on a loaded machine:
+    # those are read as soon as they are queued; the others after the burst, one after the other.
+    early: dict[int, asyncio.Task[list[Any]]] = {}
     controls = []
     for body in bodies:
         await live.redis.xadd(KEYS.requests, {ENTRY_FIELD: pack(body)})
+        if _short_lived(body):  # read from now on (with its entry queued, it cannot look drained)
+            early[id(body)] = asyncio.create_task(answer(body))
         controls.append(await live.client.submit(input_ids=CONTROL_IDS, max_new_tokens=CONTROL_TOKENS, temperature=0))
-    answers = []
-    for body in bodies:
-        readable = not expect_raw(body, ms_now()).dead
-        answers.append(await _terminal_events(live, body["id"]) if readable else [])
+    answers = [await early[id(body)] if id(body) in early else await answer(body) for body in bodies]
     outputs = [(await job.result(timeout=4 * CASE_TIMEOUT_S)).token_ids for job in controls]
     await _acknowledged(live)
     await asyncio.sleep(0.05)

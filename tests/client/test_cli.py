@@ -86,19 +86,31 @@ def test_submit_rejects_bad_input_without_redis(capsys: pytest.CaptureFixture[st
 
 
 async def test_status_json(redis_url: str, server: aioredis.Redis, capsys: pytest.CaptureFixture[str]) -> None:
-    await server.xadd(KEYS.requests, {"m": b"x"})
+    await server.xadd(KEYS.requests, {"m": b"x"})  # unreadable: counted, but no size to estimate
+    batch = protocol.encode(protocol.parse_request({"id": "b1", "prompt": "x" * 40, "submitted": 1}))
+    for _ in range(3):
+        await server.xadd(KEYS.lane("batch"), {"m": batch})
+    await server.set(KEYS.fleet_rate, "100")
     await server.xadd(KEYS.dead, {"m": b"x"})
     assert await asyncio.to_thread(main, ["status", "--json", "--url", redis_url]) == 0
     status = json.loads(capsys.readouterr().out)
+    tokens = 3 * (10 + protocol.DEFAULT_MAX_NEW_TOKENS)  # 40 bytes of prompt count 10 tokens
+    lane = {"pending": None, "lag": None, "oldest_pending_age_s": None}
     assert status == {
         "queue": "default",
-        "depth": 1,
+        "depth": 4,
         "pending": None,
         "lag": None,
         "dead": 1,
         "workers": [],
         "oldest_pending_age_s": None,
         "stale_workers": [],
+        "lanes": [
+            {"lane": "interactive", "depth": 0, **lane, "backlog_tokens": 0, "backlog_seconds": 0.0},
+            {"lane": "default", "depth": 1, **lane, "backlog_tokens": 0, "backlog_seconds": 0.0},
+            {"lane": "batch", "depth": 3, **lane, "backlog_tokens": tokens, "backlog_seconds": tokens / 100},
+        ],
+        "tokens_per_s": 100.0,
     }
 
 
@@ -229,3 +241,18 @@ def test_batch_help_says_how_to_resume(capsys: pytest.CaptureFixture[str]) -> No
 def test_batch_refuses_a_missing_input(tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["batch", str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--url", redis_url])
     assert code == 2 and "no such input file" in capsys.readouterr().err
+
+
+async def test_batch_files_run_in_the_batch_lane_unless_a_line_names_a_tier(
+    redis_url: str, server: aioredis.Redis, tmp_path: Path
+) -> None:
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    lines = [
+        {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": body},
+        {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {**body, "service_tier": "priority"}},
+    ]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    argv = ["batch", str(source), "-o", str(tmp_path / "out.jsonl"), "--url", redis_url, "--timeout", "0.5"]
+    assert await asyncio.to_thread(main, argv) == 1  # no worker: both lines time out, and are error lines
+    assert [await server.xlen(KEYS.lane(lane)) for lane in ("interactive", "default", "batch")] == [1, 0, 1]

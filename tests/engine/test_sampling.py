@@ -21,7 +21,7 @@ def sampler() -> FusedSampler:
         LogitsProcessorList([TemperatureLogitsWarper(0.5), TopKLogitsWarper(50), TopPLogitsWarper(0.9)]),
         per_request_processors=True,
     )
-    return FusedSampler(processors)
+    return FusedSampler(processors, None, {})
 
 
 def args_for(rows: list[tuple[float, int, float]]) -> torch.Tensor:

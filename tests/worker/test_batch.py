@@ -29,7 +29,7 @@ MALFORMED = [
     json.dumps(["a", "list"]),
     json.dumps({"custom_id": "m-url", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}),
     json.dumps({"custom_id": "m-body", "method": "POST", "url": "/v1/completions", "body": {"messages": []}}),
-    json.dumps({"custom_id": "m-field", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 2}}),
+    json.dumps({"custom_id": "m-field", "url": "/v1/completions", "body": {"prompt": "x", "logit_bias": {"5": 1}}}),
     json.dumps({"custom_id": "m-range", "url": "/v1/completions", "body": {"prompt": "x", "temperature": 1e9}}),
 ]
 

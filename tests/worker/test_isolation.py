@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 
 from client import AsyncClient, RequestFailed
 from client.protocol import TokensEvent, decode_event
-from client.store import CONSUMER_GROUP, Keys
+from client.store import CONSUMER_GROUP, HAND_BACK_ENGINE_FAILURE, Keys
 from worker.leases import Leases
 from worker.publisher import Publisher, Target
 
@@ -62,7 +62,7 @@ async def test_hand_back_counts_each_request_on_its_own(redis: Redis) -> None:
     await redis.set(KEYS.fence("a"), "not a hash")
     await redis.hset(KEYS.fence("b"), "a", 1)
     leases = Leases(redis, KEYS, "w", lease_timeout_s=5.0)
-    handed = await leases.hand_back([(entries[0], "a"), (entries[1], "b")], engine_failure=True)
+    handed = await leases.hand_back([(entries[0], "a"), (entries[1], "b")], HAND_BACK_ENGINE_FAILURE)
     assert handed == 2
     assert await redis.hmget(KEYS.fence("b"), "h", "f") == [b"1", b"1"]
     assert len(await leases.claim(10)) == 2  # both claimable at once

@@ -39,7 +39,7 @@ async def test_metrics_follow_what_was_served(start_worker: Any, client: AsyncCl
     async def settled() -> bool:  # every request has ended, and a heartbeat has refreshed the queue gauges since
         metrics = await asyncio.to_thread(scrape, port)
         ended = metrics.get("llmq:e2e_request_latency_seconds_count") == 6 and metrics["llmq:num_requests_running"] == 0
-        return ended and metrics["llmq:queue_depth"] == metrics["llmq:queue_pending"] == 0
+        return ended and metrics["llmq:queue_depth{lane=default}"] == metrics["llmq:queue_pending{lane=default}"] == 0
 
     await wait_until(settled)
     metrics = await asyncio.to_thread(scrape, port)
@@ -63,4 +63,6 @@ async def test_metrics_follow_what_was_served(start_worker: Any, client: AsyncCl
     assert metrics["llmq:num_requests_running"] == metrics["llmq:num_requests_waiting"] == 0
     assert metrics["llmq:kv_cache_usage_perc"] == 0 and metrics["llmq:kv_cache_blocks_total"] == 2048 // 16
     assert metrics["llmq:kv_cache_blocks_reserved"] == 0
-    assert metrics["llmq:queue_depth"] == metrics["llmq:queue_pending"] == metrics["llmq:queue_lag"] == 0
+    for lane in ("interactive", "default", "batch"):
+        gauges = ("queue_depth", "queue_pending", "queue_lag", "backlog_requests", "backlog_tokens")
+        assert [metrics[f"llmq:{name}{{lane={lane}}}"] for name in gauges] == [0] * len(gauges)

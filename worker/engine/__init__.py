@@ -5,7 +5,16 @@ from worker.engine.errors import EngineClosed, EngineError, EngineFailed, Reques
 from worker.engine.interface import DeltaStream, GenerationEngine
 from worker.engine.loader import DEFAULT_MODEL, LoadOptions, load_model
 from worker.engine.stream import RequestStream
-from worker.engine.types import EngineRequest, EngineStats, Finish, GenerationParams, OutputDelta, Resume
+from worker.engine.types import (
+    EngineRequest,
+    EngineStats,
+    Finish,
+    GenerationParams,
+    OutputDelta,
+    OutputFormat,
+    Resume,
+    TokenLogprob,
+)
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -22,8 +31,10 @@ __all__ = [
     "GenerationParams",
     "LoadOptions",
     "OutputDelta",
+    "OutputFormat",
     "RequestRejected",
     "RequestStream",
     "Resume",
+    "TokenLogprob",
     "load_model",
 ]

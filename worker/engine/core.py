@@ -20,7 +20,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from transformers import GenerationConfig
@@ -30,12 +30,22 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 
 from worker.engine import attention, sampling
 from worker.engine.attention import supports_varlen
+from worker.engine.constraints import Grammars
 from worker.engine.errors import EngineClosed, EngineError, EngineFailed, RequestRejected
 from worker.engine.inputs import InputProcessor, ModelLimits
 from worker.engine.outputs import IncrementalDetokenizer
+from worker.engine.rows import RowState
 from worker.engine.stats import StepCounters
 from worker.engine.stream import RequestStream
-from worker.engine.types import EngineRequest, EngineStats, Finish, GenerationParams, OutputDelta, Resume
+from worker.engine.types import (
+    EngineRequest,
+    EngineStats,
+    Finish,
+    GenerationParams,
+    OutputDelta,
+    Resume,
+    TokenLogprob,
+)
 
 _WATCHDOG_PERIOD_S = 0.1
 
@@ -68,6 +78,9 @@ class Engine:
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.counters = StepCounters()
+        self._grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids)
+        self._row_states: dict[str, RowState] = {}  # by library id: the requests the sampler treats apart
+        self._per_row = True  # the fused sampler is installed (not with CUDA graphs): per-row features work
         self._manager: ContinuousBatchingManager | None = None
         self._inputs: InputProcessor | None = None
         self._num_blocks = 0
@@ -119,6 +132,7 @@ class Engine:
         prepared = self._inputs.prepare(request)
         if self._find(prepared.request_id) is not None:
             raise RequestRejected(f"request {prepared.request_id!r} is already in this engine")
+        row_state = self._row_state(request) if request.params.per_row else None
         unread, carry_text = self._held_back(request.resume)
         stream = RequestStream(
             prepared,
@@ -127,9 +141,27 @@ class Engine:
             carry_text=carry_text,
             library_id=f"{prepared.request_id}#{next(self._submissions)}",
         )
+        if row_state is not None:
+            row_state.context = prepared.prompt_ids
+            stream.row_state = self._row_states[stream.library_id] = row_state
         self._waiting.append(stream)
         self._admit()
         return stream
+
+    def _row_state(self, request: EngineRequest) -> RowState:
+        """The sampler's state for a request with a seed, logprobs, penalties or a response format; on a resume
+        it continues after the delivered tokens (seed position, penalties, grammar state)."""
+        if not self._per_row:
+            raise RequestRejected("seed, logprobs, penalties and response formats need the fused sampler")
+        params = request.params
+        delivered = list(request.resume.token_ids) if request.resume is not None else []
+        state = RowState(params, context=[], generated=delivered)
+        if params.output_format is not None:
+            state.matcher = self._grammars.matcher(params.output_format)
+            for token in delivered:
+                if not state.matcher.accept_token(token):
+                    raise RequestRejected("the output delivered so far does not match the response format")
+        return state
 
     def _find(self, request_id: str) -> RequestStream | None:
         return next((s for s in [*self._running.values(), *self._waiting] if s.request_id == request_id), None)
@@ -228,7 +260,7 @@ class Engine:
             attention.register()
             self.model.set_attn_implementation(attention.ATTENTION_NAME)
         manager.warmup()  # allocates the paged cache now, so its real size is known before the first request
-        sampling.install(manager)
+        self._per_row = sampling.install(manager, self._row_states)
         self.counters.instrument(manager)
         manager.start()
         cache = manager.batch_processor.cache
@@ -332,12 +364,21 @@ class Engine:
         elif finished:
             eos = not stream.request.params.ignore_eos and bool(tokens) and tokens[-1] in self.eos_token_ids
             reason = Finish.EOS if eos else Finish.LENGTH
-        stream.put(OutputDelta(stream.request_id, list(new_tokens), text, reason, stream.prompt_tokens))
+        logprobs = None
+        if stream.row_state is not None and stream.row_state.params.logprobs is not None:
+            queued = stream.row_state.logprobs
+            logprobs = [self._with_text(token, queued.popleft()) for token in new_tokens if queued]
+        stream.put(OutputDelta(stream.request_id, list(new_tokens), text, reason, stream.prompt_tokens, logprobs))
         if reason is not None:
             self._end(stream, reason)
 
+    def _with_text(self, token: int, logprob: TokenLogprob) -> TokenLogprob:
+        texts = tuple(self._decode([alternative]) for alternative, _ in logprob.top)
+        return replace(logprob, text=self._decode([token]), top_text=texts)
+
     def _end(self, stream: RequestStream, outcome: str, error: EngineError | None = None) -> None:
         """Takes a request out of the engine's books, counts its outcome, and lets the next waiting one in."""
+        self._row_states.pop(stream.library_id, None)
         if stream.library_id in self._running:
             del self._running[stream.library_id]
             self._reserved_blocks -= stream.kv_blocks

@@ -7,7 +7,16 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from client.protocol import MAX_NEW_TOKENS, MAX_TEMPERATURE, MAX_TOP_K
+from client.protocol import (
+    MAX_NEW_TOKENS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    MAX_TOP_LOGPROBS,
+    MIN_SEED,
+)
 from worker.engine.errors import RequestRejected
 from worker.engine.types import EngineRequest, GenerationParams
 
@@ -134,3 +143,20 @@ def check_params(params: GenerationParams) -> None:
         raise RequestRejected(f"top_k must be an integer in [0, {MAX_TOP_K}], got {params.top_k!r}")
     if not all(isinstance(s, str) and s for s in params.stop):
         raise RequestRejected("stop must be a list of non-empty strings")
+    _check_row_params(params, is_int, is_real)
+
+
+def _check_row_params(params: GenerationParams, is_int: Any, is_real: Any) -> None:
+    if params.seed is not None and (not is_int(params.seed) or not MIN_SEED <= params.seed <= MAX_SEED):
+        raise RequestRejected(f"seed must be an integer in [{MIN_SEED}, {MAX_SEED}], got {params.seed!r}")
+    if params.logprobs is not None and (not is_int(params.logprobs) or not 0 <= params.logprobs <= MAX_TOP_LOGPROBS):
+        raise RequestRejected(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {params.logprobs!r}")
+    penalty = params.repetition_penalty
+    if not is_real(penalty) or not 0 < penalty <= MAX_REPETITION_PENALTY:
+        raise RequestRejected(f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY}], got {penalty!r}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not is_real(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise RequestRejected(f"{name} must be a number in [{-MAX_PENALTY}, {MAX_PENALTY}], got {value!r}")
+    if params.output_format is not None and params.ignore_eos:
+        raise RequestRejected("a response format ends its output with EOS: ignore_eos cannot be combined with it")

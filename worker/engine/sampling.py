@@ -6,11 +6,14 @@ On a 49k vocabulary that was a third of a 32-request decode step on CPU. Here gr
 top-k uses `topk` instead of a sort, top-p sorts only the rows that ask for it, and only sampled rows draw.
 
 It reads the per-row values that the library's own per-request processors already write into
-`logits_processor_args`, so request submission is unchanged. Not for CUDA graphs: it branches on the batch.
+`logits_processor_args`, so request submission is unchanged. Rows of requests that need their own treatment
+(penalties, a response format, a seed, log-probabilities: `worker.engine.rows`) are found through the batch's
+requests, in the order the library lays out its logits rows. Not for CUDA graphs: it branches on the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,13 +23,17 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
     ContinuousBatchingTopPLogitsWarper,
 )
 
+from worker.engine.constraints import mask_rows
+from worker.engine.rows import RowState
+
 
 class FusedSampler:
-    """Stands in for the model runner's logits-processor list and its `_sample` (transformers 5.24)."""
+    """Stands in for the model runner's logits-processor list and its `_sample` (transformers 5.24).
+    `row_states` (library request id -> `RowState`) is the engine's, read here from the library's thread."""
 
     do_processing = True
 
-    def __init__(self, processors: Any) -> None:
+    def __init__(self, processors: Any, batch: Any, row_states: Mapping[str, RowState]) -> None:
         rows = {}
         for index, processor in enumerate(p for p in processors.logits_processor if hasattr(p, "fill_defaults")):
             rows[type(processor)] = index
@@ -34,9 +41,15 @@ class FusedSampler:
         self._top_k_row = rows[ContinuousBatchingTopKLogitsWarper]
         self._top_p_row = rows[ContinuousBatchingTopPLogitsWarper]
         self._sampled_rows: torch.Tensor | None = None  # set by __call__, read by sample() in the same forward
+        self._batch = batch  # the library's inputs: which requests the rows are
+        self._row_states = row_states
+        self._special: list[tuple[int, RowState]] = []  # set by __call__, read by sample()
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, args: torch.Tensor) -> torch.Tensor:
         count = scores.size(0)
+        self._special = self._special_rows(count)
+        if self._special:
+            _treat_rows(scores, self._special)
         top_k = args[self._top_k_row, :count]
         sampled = (top_k != 1).nonzero().squeeze(1)
         self._sampled_rows = sampled if sampled.numel() else None
@@ -56,8 +69,36 @@ class FusedSampler:
         sampled = self._sampled_rows
         if sampled is not None:
             probs = torch.softmax(logits[sampled], dim=-1)
-            next_tokens[sampled] = torch.multinomial(probs, num_samples=1).squeeze(1)
+            draws = torch.multinomial(probs, num_samples=1).squeeze(1)
+            seeded = {row: state for row, state in self._special if state.params.seed is not None}
+            for position, row in enumerate(sampled.tolist()):
+                if row in seeded:
+                    draws[position] = seeded[row].draw(probs[position])
+            next_tokens[sampled] = draws
+        for row, state in self._special:
+            state.accept(int(next_tokens[row]), logits[row])
         output_ids[0, : next_tokens.size(0)].copy_(next_tokens)
+
+    def _special_rows(self, count: int) -> list[tuple[int, RowState]]:
+        """(row, state) of the rows whose requests need their own treatment. The library lays out one logits row
+        per request that gets a token this step, in batch order."""
+        if not self._row_states:
+            return []
+        ids = [future.state.request_id for future in self._batch.requests_in_batch if future.has_new_token]
+        states = ((row, self._row_states.get(request_id)) for row, request_id in enumerate(ids[:count]))
+        return [(row, state) for row, state in states if state is not None]
+
+
+def _treat_rows(scores: torch.Tensor, special: list[tuple[int, RowState]]) -> None:
+    """Penalties, then the response formats' masks, on the rows that need them (before temperature)."""
+    for row, state in special:
+        state.penalize(scores[row])
+    constrained = [(row, state.matcher) for row, state in special if state.matcher is not None]
+    if constrained:
+        rows = torch.tensor([row for row, _ in constrained])
+        masked = scores[rows]
+        mask_rows([matcher for _, matcher in constrained], masked)
+        scores[rows] = masked
 
 
 def _top_k(rows: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -84,12 +125,16 @@ def _top_p(rows: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-def install(manager: Any) -> bool:
-    """Puts the fused sampler into a started-up manager's model runner; False where CUDA graphs forbid it."""
+def install(manager: Any, row_states: Mapping[str, RowState]) -> bool:
+    """Puts the fused sampler into a started-up manager's model runner; False where CUDA graphs (or the
+    asynchronous inputs, which do not list the batch's requests) forbid it."""
     runner = manager.batch_processor.model_runner
     if getattr(runner, "use_cuda_graph_varlen", False) or getattr(runner, "use_cuda_graph_decode", False):
         return False
-    sampler = FusedSampler(manager.logit_processor)
+    batch = runner.inputs_and_outputs
+    if not hasattr(batch, "requests_in_batch"):
+        return False
+    sampler = FusedSampler(manager.logit_processor, batch, row_states)
     runner.logit_processor = sampler
     runner._sample = sampler.sample
     return True

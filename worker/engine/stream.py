@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from worker.engine.errors import EngineError
 from worker.engine.inputs import PreparedRequest
 from worker.engine.outputs import IncrementalDetokenizer, StopStringMatcher
+from worker.engine.rows import RowState
 from worker.engine.types import OutputDelta
 
 
@@ -34,6 +35,7 @@ class RequestStream(AsyncIterator[OutputDelta]):
         self.detokenizer = detokenizer
         self.stops = StopStringMatcher(request.params.stop, pending=carry_text)
         self.tokens_seen = 0  # the library's outputs are cumulative: how many generated tokens we already took
+        self.row_state: RowState | None = None  # the sampler's state, for a request with per-row features
         self.closed = False  # no more deltas will be put
         self._pending: OutputDelta | None = None
         self._error: EngineError | None = None
@@ -45,10 +47,13 @@ class RequestStream(AsyncIterator[OutputDelta]):
             return
         if self._pending is None:
             self._pending = delta
-        else:
-            self._pending.token_ids.extend(delta.token_ids)
-            self._pending.text += delta.text
-            self._pending.finish_reason = delta.finish_reason
+        else:  # the reader is behind: one delta carries everything since its last read
+            pending = self._pending
+            pending.token_ids.extend(delta.token_ids)
+            pending.text += delta.text
+            pending.finish_reason = delta.finish_reason
+            if delta.logprobs is not None:
+                pending.logprobs = [*(pending.logprobs or []), *delta.logprobs]
         self.closed = delta.finished
         self._ready.set()
 

@@ -16,9 +16,18 @@ class Finish(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class OutputFormat:
+    """A constraint on the output: `kind` "json_schema" (`spec` is the schema, serialized), "json_object", or
+    "regex" (`spec` is the pattern)."""
+
+    kind: str
+    spec: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationParams:
     """Per-request decoding settings. A temperature under `GREEDY_BELOW_TEMPERATURE` (or `top_k == 1`) is greedy:
-    float32 sampling cannot divide logits by it."""
+    float32 sampling cannot divide logits by it. `logprobs` None: none reported; else how many alternatives."""
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 1.0
@@ -26,10 +35,39 @@ class GenerationParams:
     top_k: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    output_format: OutputFormat | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
+
+    @property
+    def per_row(self) -> bool:
+        """Whether the sampler must treat this request's row apart: a seed, logprobs, penalties or a format."""
+        return (
+            self.seed is not None
+            or self.logprobs is not None
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.output_format is not None
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log-probability and text, and the most likely alternatives (id, log-probability,
+    text). A token's text is its own decoding: part of a multi-byte character decodes to U+FFFD."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+    text: str = ""
+    top_text: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +109,7 @@ class OutputDelta:
     text: str
     finish_reason: Finish | None = None
     prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
 
     @property
     def finished(self) -> bool:

@@ -1,0 +1,278 @@
+"""OpenAI chat/completions bodies as `submit` arguments, and results as OpenAI response bodies: one translation,
+shared by `llmq batch` (`client/batch.py`) and the HTTP gateway (`gateway/`).
+
+Pure functions, no I/O. A field we cannot honour is refused by name (`FieldError`), never ignored: knobs the
+engine does not implement (`n > 1`, `logit_bias`, tools, ...) are accepted only at their no-op values, which
+some SDKs send by default. `seed`, `logprobs`/`top_logprobs`, the penalties and `response_format` (`text`,
+`json_object`, `json_schema`, and llmq's `regex`) are applied per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from client._core import TokenLogprob
+from client.errors import InvalidRequest
+from client.protocol import Lane, SamplingParams, Usage
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+# OpenAI's (and vLLM's) default for /v1/completions; chat has none, so the queue's default applies there.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
+
+# The wire's sampling fields under their OpenAI names (for errors that name the field the caller sent).
+_OPENAI_NAME = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
+_OPENAI_NAME |= {"stop": "stop", "seed": "seed", "logprobs": "logprobs", "top_logprobs": "top_logprobs"}
+_PASSED = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_OPENAI_NAME |= {name: name for name in _PASSED} | {"response_format": "response_format"}
+_SUPPORTED = {"model", "max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs", "response_format"}
+_SUPPORTED |= {"user", "stream", "stream_options", "service_tier", *_PASSED}
+# Fields accepted only at a value that changes nothing (compared with their type: `0` is not `False`).
+_NO_OP: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none",),
+    "function_call": ("none",),
+    "parallel_tool_calls": (True, False),  # without tools there is nothing to call in parallel
+    "suffix": ("",),
+    "store": (False,),
+    "metadata": ({},),
+}
+_MESSAGE_KEYS = {"role", "content"}
+# OpenAI's newer name for the system role; chat templates know "system".
+_ROLES = {"developer": "system"}
+# `service_tier` -> llmq lane (`submit(priority=...)`).
+TIERS: dict[str, Lane] = {"auto": "default", "default": "default", "priority": "interactive", "flex": "batch"}
+
+
+class FieldError(InvalidRequest):
+    """A body field we cannot honour; `field` is its OpenAI name (e.g. `n`, `messages[0].content`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass
+class Translated:
+    """A body as `submit` keyword arguments (`options`), plus what the HTTP side needs to answer it."""
+
+    options: dict[str, Any] = field(default_factory=dict)
+    model: str | None = None
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+    lane: Lane = "default"
+
+
+def lane_for(service_tier: object) -> Lane:
+    """The lane an OpenAI `service_tier` maps to (absent = `auto`): `priority` -> interactive, `auto` and
+    `default` -> default, `flex` -> batch. The one place the mapping lives."""
+    tier = "auto" if service_tier is None else service_tier
+    if not isinstance(tier, str) or tier not in TIERS:
+        raise FieldError("service_tier", f"must be one of {', '.join(TIERS)}, not {service_tier!r}")
+    return TIERS[tier]
+
+
+def translate(body: dict[str, Any], url: str) -> Translated:
+    """An OpenAI chat (`CHAT`) or completions (`COMPLETIONS`) body as `submit` arguments; raises `FieldError`
+    naming the first field it cannot honour. Sampling values are checked against `BOUNDS` here too, so the
+    error names the OpenAI field (`max_tokens`, not `params.max_new_tokens`)."""
+    source = "messages" if url == CHAT else "prompt"
+    _refuse_unsupported(body, source)
+    if body.get(source) is None:
+        raise FieldError(source, f"{url} needs {source}")
+    out = Translated(options=_input(source, body[source]))
+    out.model = _optional(body, "model", str)
+    out.user = _optional(body, "user", str)
+    out.stream = _optional(body, "stream", bool) or False
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise FieldError("stream_options", "only {'include_usage': bool} is supported")
+        out.include_usage = _optional(options, "include_usage", bool, "stream_options.include_usage") or False
+    out.lane = lane_for(body.get("service_tier"))
+    if body.get("service_tier") is not None:  # else the caller's default lane (`llmq batch`: batch)
+        out.options["priority"] = out.lane
+    params = _params(body, url)
+    _check_params(params, "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens")
+    out.options |= params
+    return out
+
+
+def _refuse_unsupported(body: dict[str, Any], source: str) -> None:
+    for name in sorted(body):
+        if name in _SUPPORTED or name == source:
+            continue
+        value = body[name]
+        if name not in _NO_OP:
+            raise FieldError(name, "is not supported by llmq")
+        if value is not None and not any(type(value) is type(v) and value == v for v in _NO_OP[name]):
+            raise FieldError(name, f"only {' or '.join(map(repr, _NO_OP[name]))} is supported, not {value!r}")
+
+
+def _optional(body: dict[str, Any], name: str, kind: type, label: str | None = None) -> Any:
+    value = body.get(name)
+    if value is not None and type(value) is not kind:
+        raise FieldError(label or name, f"must be a {kind.__name__}")
+    return value
+
+
+def _input(source: str, value: Any) -> dict[str, Any]:
+    if source == "messages":
+        if not isinstance(value, list) or not value:
+            raise FieldError("messages", "must be a non-empty array of messages")
+        return {"messages": [_message(i, m) for i, m in enumerate(value)]}
+    if isinstance(value, str):
+        return {"prompt": value}
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]  # a batch of one prompt
+        if isinstance(value, str):
+            return {"prompt": value}
+    if isinstance(value, list) and value and all(type(t) is int for t in value):
+        return {"input_ids": value}
+    raise FieldError("prompt", "must be one string or one array of token ids (send one request per prompt)")
+
+
+def _message(index: int, message: Any) -> dict[str, str]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise FieldError(where, "must be an object with role and content")
+    for key in sorted(set(message) - _MESSAGE_KEYS):
+        if message[key] is not None:
+            raise FieldError(f"{where}.{key}", "is not supported by llmq")
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str):
+        raise FieldError(f"{where}.role", "must be a string")
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise FieldError(f"{where}.content", "only text content parts are supported")
+        content = "".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise FieldError(f"{where}.content", "must be a string or an array of text parts")
+    return {"role": _ROLES.get(role, role), "content": content}
+
+
+def _params(body: dict[str, Any], url: str) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    if max_tokens is None and url == COMPLETIONS:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    if max_tokens is not None:
+        params["max_new_tokens"] = max_tokens
+    for name in _PASSED:
+        if body.get(name) is not None:
+            params[name] = body[name]
+    stop = body.get("stop")
+    if stop is not None:
+        params["stop"] = [stop] if isinstance(stop, str) else stop
+    params |= _logprobs(body, url)
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        params["response_format"] = response_format
+    return params
+
+
+def _logprobs(body: dict[str, Any], url: str) -> dict[str, Any]:
+    """Chat: `logprobs` (bool) and `top_logprobs` (alternatives); completions: `logprobs` (alternatives)."""
+    logprobs = body.get("logprobs")
+    if url == COMPLETIONS:
+        if logprobs is None:
+            return {}
+        if type(logprobs) is not int:
+            raise FieldError("logprobs", "must be an integer: how many alternatives per token (0 to 20)")
+        return {"logprobs": True, "top_logprobs": logprobs}
+    if logprobs is not None and type(logprobs) is not bool:
+        raise FieldError("logprobs", "must be a boolean")
+    top = body.get("top_logprobs")
+    if not logprobs:
+        if top:
+            raise FieldError("top_logprobs", "needs logprobs: true")
+        return {}
+    return {"logprobs": True, "top_logprobs": top or 0}
+
+
+def _check_params(params: dict[str, Any], max_tokens_name: str) -> None:
+    try:
+        SamplingParams.model_validate(params)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False, include_input=False)[0]
+        wire = str(error["loc"][0]) if error["loc"] else ""
+        name = max_tokens_name if wire == "max_new_tokens" else _OPENAI_NAME.get(wire, wire)
+        raise FieldError(name, error["msg"]) from None
+
+
+def usage_body(usage: Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+def logprobs_body(url: str, logprobs: list[TokenLogprob] | None, text_offset: int = 0) -> dict[str, Any] | None:
+    """Tokens' log-probabilities in OpenAI's shape: chat's `{"content": [...]}`, or completions' parallel lists
+    (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`, the latter counted from `text_offset`)."""
+    if logprobs is None:
+        return None
+    if url == CHAT:
+        content = [
+            {
+                **_token(lp.text, lp.logprob),
+                "top_logprobs": [_token(text, value) for _, value, text in lp.top],
+            }
+            for lp in logprobs
+        ]
+        return {"content": content, "refusal": None}
+    offsets = []
+    for lp in logprobs:
+        offsets.append(text_offset)
+        text_offset += len(lp.text)
+    return {
+        "tokens": [lp.text for lp in logprobs],
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{text: value for _, value, text in lp.top} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def _token(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def completion_body(
+    url: str,
+    request_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str,
+    usage: Usage,
+    logprobs: list[TokenLogprob] | None = None,
+) -> dict[str, Any]:
+    """A whole answer as OpenAI's `chat.completion` or `text_completion` object."""
+    choice: dict[str, Any] = {"index": 0}
+    if url == CHAT:
+        choice["message"] = {"role": "assistant", "content": text}
+        kind = "chat.completion"
+    else:
+        choice["text"], kind = text, "text_completion"
+    choice["logprobs"] = logprobs_body(url, logprobs)
+    choice["finish_reason"] = FINISH_REASONS.get(finish_reason, "stop")
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage_body(usage),
+    }

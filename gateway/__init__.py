@@ -1,0 +1,1 @@
+"""An OpenAI-compatible HTTP gateway over the queue: stateless, so run as many replicas as you like."""

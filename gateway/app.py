@@ -1,0 +1,134 @@
+"""The Starlette app: routes, middleware and the one `AsyncClient` (opened by the lifespan, shared by every
+request). `create_app()` with no argument reads `LLMQ_GATEWAY_*`, so `uvicorn --factory gateway.app:create_app`
+works as well as `llmq-gateway`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from client import AsyncClient
+from gateway.auth import APIKeyMiddleware
+from gateway.completions import chat_completions, completions
+from gateway.errors import APIError, from_exception, unknown_model
+from gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsMiddleware
+from gateway.models import ModelDirectory, ServedModel
+from gateway.settings import GatewaySettings
+from gateway.state import Gateway
+from worker.logging import get_logger
+
+
+def _model_object(model: ServedModel) -> dict[str, object]:
+    return {
+        "id": model.id,
+        "object": "model",
+        "created": model.created,
+        "owned_by": "llmq",
+        "queue": model.queue,
+        "workers": model.workers,
+    }
+
+
+async def list_models(request: Request) -> Response:
+    """The models of the live workers on the configured queues (from their heartbeats)."""
+    gateway: Gateway = request.app.state.gateway
+    try:
+        served = await gateway.models.served()
+    except Exception as error:
+        return from_exception(error, retry_after_s=gateway.settings.retry_after_s).response()
+    return JSONResponse({"object": "list", "data": [_model_object(m) for m in served.values()]})
+
+
+async def get_model(request: Request) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    name = request.path_params["model"]
+    try:
+        served = await gateway.models.served()
+    except Exception as error:
+        return from_exception(error, retry_after_s=gateway.settings.retry_after_s).response()
+    if name not in served:
+        return unknown_model(name, sorted(served)).response()
+    return JSONResponse(_model_object(served[name]))
+
+
+async def health(request: Request) -> Response:
+    """200 while Redis answers (read through the model directory, so at most every `models_refresh_s`)."""
+    gateway: Gateway = request.app.state.gateway
+    try:
+        served = await gateway.models.served()
+    except Exception as error:
+        return JSONResponse({"status": "unavailable", "error": type(error).__name__}, status_code=503)
+    return JSONResponse({"status": "ok", "models": sorted(served)})
+
+
+async def metrics(request: Request) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def _http_error(request: Request, error: Exception) -> Response:
+    """Starlette's own answers (unknown path, wrong method) in OpenAI's error shape."""
+    status = error.status_code if isinstance(error, HTTPException) else 500
+    detail = error.detail if isinstance(error, HTTPException) else "Internal error."
+    headers = dict(error.headers or {}) if isinstance(error, HTTPException) else None
+    code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+    return APIError(status, f"{request.method} {request.url.path}: {detail}", code=code, headers=headers).response()
+
+
+ROUTES = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+]
+
+
+def create_app(settings: GatewaySettings | None = None, *, client: AsyncClient | None = None) -> Starlette:
+    """The gateway for `settings` (default: from the environment). `client` replaces the one built from the
+    settings (tests, embedding); it is not closed with the app."""
+    settings = settings or GatewaySettings()
+    gateway_metrics = GatewayMetrics()
+    log = get_logger("llmq.gateway")
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        queue_client = client or AsyncClient(
+            settings.redis_url.get_secret_value(),
+            queue=settings.queue_names[0],
+            prefix=settings.prefix,
+            max_queue_len=settings.max_queue_len,
+            result_ttl=settings.result_ttl_s,
+            limits=settings.limits,
+            ssl_ca_certs=str(settings.redis_ca_file) if settings.redis_ca_file else None,
+            max_connections=settings.redis_max_connections,
+        )
+        models = ModelDirectory(
+            queue_client, settings.queue_names, stale_s=settings.worker_stale_s, refresh_s=settings.models_refresh_s
+        )
+        app.state.gateway = Gateway(settings, queue_client, models, gateway_metrics, log)
+        log.info("gateway_started", queues=settings.queue_names, api_keys=len(settings.keys))
+        try:
+            yield
+        finally:
+            if client is None:
+                await queue_client.aclose()
+
+    routes = frozenset(route.path for route in ROUTES if "{" not in route.path)
+    return Starlette(
+        routes=ROUTES,
+        middleware=[
+            Middleware(MetricsMiddleware, metrics=gateway_metrics, routes=routes),
+            Middleware(APIKeyMiddleware, keys=settings.keys),
+        ],
+        exception_handlers={HTTPException: _http_error},
+        lifespan=lifespan,
+    )

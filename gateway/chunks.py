@@ -1,0 +1,53 @@
+"""The streamed shapes of OpenAI's answers: `chat.completion.chunk` and streamed `text_completion` objects.
+Whole answers are `client.openai_format.completion_body`, shared with `llmq batch`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from client import Delta
+from client.openai_format import CHAT, FINISH_REASONS, logprobs_body, usage_body
+from client.protocol import Usage
+
+
+@dataclass(frozen=True)
+class ChunkMaker:
+    """Builds the chunks of one streamed answer (all share its id, creation time and model)."""
+
+    url: str
+    request_id: str
+    model: str
+    created: int
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.request_id,
+            "object": "chat.completion.chunk" if self.url == CHAT else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            chunk["usage"] = usage_body(usage)
+        return chunk
+
+    def text(self, delta: Delta | None, *, first: bool = False, offset: int = 0) -> dict[str, Any]:
+        """New text, with its tokens' log-probabilities when asked (completions count `text_offset` from
+        `offset`, the text streamed before); a chat stream's first chunk also carries the assistant role."""
+        text = delta.text if delta is not None else ""
+        logprobs = logprobs_body(self.url, delta.logprobs if delta is not None else None, offset)
+        if self.url == CHAT:
+            content: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+            return self._chunk([{"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": None}])
+        return self._chunk([{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}])
+
+    def finish(self, finish_reason: str) -> dict[str, Any]:
+        reason = FINISH_REASONS.get(finish_reason, "stop")
+        if self.url == CHAT:
+            return self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}])
+        return self._chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": reason}])
+
+    def usage(self, usage: Usage) -> dict[str, Any]:
+        """`stream_options.include_usage`: a last chunk with no choices and the whole request's usage."""
+        return self._chunk([], usage)

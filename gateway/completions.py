@@ -1,0 +1,209 @@
+"""`POST /v1/chat/completions` and `POST /v1/completions`: an OpenAI body becomes one queued request
+(`AsyncClient.submit`), whose answer is returned whole or streamed as server-sent events.
+
+A streamed answer's headers wait for its first token (which the client waits for anyway), so every error
+known by then, an expired deadline or a request the worker refused included, still gets its HTTP status; a
+later one arrives as an error event before `data: [DONE]`, which the OpenAI SDKs raise. A client that goes
+away cancels its request (`AsyncJob.cancel`: the worker stops it within one engine step); so does a request
+that outlives its timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from client import AsyncJob, Delta, LLMQError, RequestFailed, ResultTimeout
+from client.errors import Cancelled
+from client.openai_format import CHAT, COMPLETIONS, Translated, completion_body, translate
+from gateway.chunks import ChunkMaker
+from gateway.errors import APIError, from_exception, unknown_model
+from gateway.metrics import CLIENT_CLOSED
+from gateway.sse import DONE, ClientGone, EventStream, event, unless_disconnected
+from gateway.state import Gateway
+
+TIMEOUT_HEADER = "X-Request-Timeout"
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _answer(request, CHAT)
+
+
+async def completions(request: Request) -> Response:
+    return await _answer(request, COMPLETIONS)
+
+
+async def _answer(request: Request, url: str) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    started = time.monotonic()
+    try:
+        return await _complete(gateway, request, url, started)
+    except Exception as error:
+        answer = from_exception(error, retry_after_s=gateway.settings.retry_after_s)
+        if answer.code == "internal":
+            gateway.log.exception("request_failed", route=url)
+        else:
+            gateway.log.info("request_refused", route=url, status=answer.status, code=answer.code, param=answer.param)
+        return answer.response()
+
+
+async def _complete(gateway: Gateway, request: Request, url: str, started: float) -> Response:
+    body = await read_json(request, gateway.settings.max_body_bytes)
+    asked = translate(body, url)
+    if not asked.model:
+        raise APIError(400, "model is required", param="model")
+    queue = await gateway.models.queue_of(asked.model)
+    if queue is None:
+        raise unknown_model(asked.model, sorted(await gateway.models.served()))
+    timeout = request_timeout(request.headers.get(TIMEOUT_HEADER), gateway.settings.request_timeout_s)
+    job = await gateway.client.submit(**asked.options, queue=queue, deadline=timeout)
+    answer = Answer(gateway, job, url, asked, started, timeout)
+    try:
+        if asked.stream:
+            return await answer.stream(request)
+        return await answer.whole(request)
+    except ClientGone:
+        await answer.cancel()
+        answer.log_done(CLIENT_CLOSED)
+        return Response(status_code=CLIENT_CLOSED)
+    except (RequestFailed, Cancelled):
+        raise  # the request has ended: nothing to cancel
+    except BaseException:  # a timeout, the server stopping, a bug: leave nothing running
+        await answer.cancel()
+        raise
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object, refusing more than `limit` bytes (413) before reading them all."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except ValueError:
+        raise APIError(400, "The body is not valid JSON.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "The body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"The body is over the limit of {limit} bytes.", code="request_too_large")
+
+
+def request_timeout(header: str | None, default_s: float) -> float:
+    """Seconds the request may take: `X-Request-Timeout` when given (at most `default_s`), else `default_s`.
+    It is both the deadline for a worker to start it (past it: 408) and the bound on waiting for its end."""
+    if header is None:
+        return default_s
+    try:
+        seconds = float(header)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise APIError(400, f"{TIMEOUT_HEADER} must be a positive number of seconds", param=TIMEOUT_HEADER)
+    return min(seconds, default_s)
+
+
+class Answer:
+    """One submitted request on its way back to the HTTP client."""
+
+    def __init__(
+        self, gateway: Gateway, job: AsyncJob, url: str, asked: Translated, started: float, timeout: float
+    ) -> None:
+        self.gateway, self.job, self.url, self.asked = gateway, job, url, asked
+        self.started, self.timeout = started, timeout
+        self.model = asked.model or ""
+        self.created = int(time.time())
+        self.usage: tuple[int, int] | None = None
+
+    async def whole(self, request: Request) -> Response:
+        result = await unless_disconnected(request.receive, self.job.result(self.timeout))
+        self.usage = (result.usage.prompt_tokens, result.usage.completion_tokens)
+        self.log_done(200)
+        return JSONResponse(
+            completion_body(
+                self.url,
+                self.job.id,
+                self.model,
+                self.created,
+                result.text,
+                result.finish_reason,
+                result.usage,
+                result.logprobs,
+            ),
+            headers={"X-Request-Id": self.job.id},
+        )
+
+    async def stream(self, request: Request) -> Response:
+        deltas = self.job.stream(self.timeout)
+        first = await unless_disconnected(request.receive, _next(deltas))
+        self.gateway.metrics.ttft.labels(self.url).observe(time.monotonic() - self.started)
+        return EventStream(self._events(first, deltas), headers={"X-Request-Id": self.job.id})
+
+    async def _events(self, first: Delta | None, deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
+        chunks = ChunkMaker(self.url, self.job.id, self.model, self.created)
+        ended, offset = False, 0
+        try:
+            yield event(chunks.text(first, first=True))
+            offset += len(first.text) if first is not None else 0
+            async for delta in deltas:
+                if delta.text or delta.logprobs:
+                    yield event(chunks.text(delta, offset=offset))
+                    offset += len(delta.text)
+            result = await self.job.result()  # at once: its stream has ended
+            self.usage = (result.usage.prompt_tokens, result.usage.completion_tokens)
+            yield event(chunks.finish(result.finish_reason))
+            if self.asked.include_usage:
+                yield event(chunks.usage(result.usage))
+            ended = True
+        except LLMQError as error:  # after the 200 was sent: the error is an event, which the SDKs raise
+            if isinstance(error, ResultTimeout):
+                await self.cancel()
+            ended = True
+            yield event(from_exception(error, retry_after_s=0).body())
+        finally:
+            if not ended:  # the client went away (or the server is stopping): stop generating
+                await self.cancel()
+            self.log_done(200 if ended else CLIENT_CLOSED)
+        yield DONE
+
+    async def cancel(self) -> None:
+        """Ask the workers to stop the request; shielded, so a cancelled handler still sends it."""
+        try:
+            await asyncio.shield(self.job.cancel())
+        except Exception as error:  # Redis away: the request's deadline still bounds a queued one
+            self.gateway.log.warning("cancel_failed", request_id=self.job.id, error=str(error))
+
+    def log_done(self, status: int) -> None:
+        prompt, completion = self.usage or (None, None)
+        self.gateway.log.info(
+            "request",
+            route=self.url,
+            request_id=self.job.id,
+            model=self.model,
+            stream=self.asked.stream,
+            status=status,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            duration_ms=round((time.monotonic() - self.started) * 1000, 1),
+            user=self.asked.user,
+        )
+
+
+async def _next(deltas: AsyncIterator[Delta]) -> Delta | None:
+    """The first delta, or None when the request finished without output (an error raises here)."""
+    return await anext(deltas, None)

@@ -1,0 +1,21 @@
+"""What every handler shares: settings, the one queue client, the model directory and the metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from structlog.typing import FilteringBoundLogger
+
+from client import AsyncClient
+from gateway.metrics import GatewayMetrics
+from gateway.models import ModelDirectory
+from gateway.settings import GatewaySettings
+
+
+@dataclass(frozen=True)
+class Gateway:
+    settings: GatewaySettings
+    client: AsyncClient
+    models: ModelDirectory
+    metrics: GatewayMetrics
+    log: FilteringBoundLogger

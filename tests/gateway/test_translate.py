@@ -1,0 +1,198 @@
+"""The pure parts: OpenAI bodies -> `submit` arguments (shared with `llmq batch`), lanes, the error table,
+the timeout header and API key checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from client import TokenLogprob
+from client.errors import (
+    Cancelled,
+    InvalidRequest,
+    LimitExceeded,
+    QueueFull,
+    RequestExpired,
+    RequestFailed,
+    ResultTimeout,
+)
+from client.openai_format import CHAT, COMPLETIONS, FieldError, lane_for, logprobs_body, translate
+from gateway.auth import authorized
+from gateway.completions import request_timeout
+from gateway.errors import APIError, from_exception
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def test_chat_body_becomes_submit_arguments() -> None:
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "kind"}]}
+        ],
+        "max_tokens": 9,
+        "max_completion_tokens": 7,
+        "temperature": 0,
+        "top_p": 0.5,
+        "stop": "x",
+        "seed": 3,
+        "user": "u1",
+        "n": 1,
+        "logprobs": False,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "service_tier": "default",
+    }
+    out = translate(body, CHAT)
+    assert out.options == {
+        "messages": [{"role": "system", "content": "be kind"}],
+        "max_new_tokens": 7,
+        "temperature": 0,
+        "top_p": 0.5,
+        "stop": ["x"],
+        "seed": 3,
+        "priority": "default",
+    }
+    assert (out.model, out.stream, out.include_usage, out.user, out.lane) == ("m", True, True, "u1", "default")
+
+
+def test_logprobs_penalties_and_response_formats_are_applied() -> None:
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    chat = translate(
+        {"messages": USER, "logprobs": True, "top_logprobs": 2, "presence_penalty": 0.5, "frequency_penalty": 0.1,
+         "repetition_penalty": 1.2, "response_format": schema},
+        CHAT,
+    ).options
+    assert (chat["logprobs"], chat["top_logprobs"], chat["response_format"]) == (True, 2, schema)
+    assert (chat["presence_penalty"], chat["frequency_penalty"], chat["repetition_penalty"]) == (0.5, 0.1, 1.2)
+    completion = translate({"prompt": "hi", "logprobs": 3, "response_format": {"type": "text"}}, COMPLETIONS)
+    assert (completion.options["logprobs"], completion.options["top_logprobs"]) == (True, 3)
+    assert "response_format" not in completion.options  # text is no constraint
+    assert "logprobs" not in translate({"messages": USER, "logprobs": False}, CHAT).options
+
+
+def test_logprobs_in_openai_shapes() -> None:
+    logprobs = [TokenLogprob(5, -0.5, "Hi", [(5, -0.5, "Hi"), (6, -1.5, "Ho")]), TokenLogprob(7, -0.1, "!", [])]
+    chat = logprobs_body(CHAT, logprobs)
+    assert chat is not None and chat["content"][0] == {
+        "token": "Hi",
+        "logprob": -0.5,
+        "bytes": [72, 105],
+        "top_logprobs": [
+            {"token": "Hi", "logprob": -0.5, "bytes": [72, 105]},
+            {"token": "Ho", "logprob": -1.5, "bytes": [72, 111]},
+        ],
+    }
+    assert logprobs_body(COMPLETIONS, logprobs, text_offset=3) == {
+        "tokens": ["Hi", "!"],
+        "token_logprobs": [-0.5, -0.1],
+        "top_logprobs": [{"Hi": -0.5, "Ho": -1.5}, {}],
+        "text_offset": [3, 5],
+    }
+    assert logprobs_body(CHAT, None) is None
+
+
+def test_completions_prompt_forms_and_default_length() -> None:
+    assert translate({"prompt": "hi"}, COMPLETIONS).options == {"prompt": "hi", "max_new_tokens": 16}
+    assert translate({"prompt": ["hi"], "max_tokens": 3}, COMPLETIONS).options["prompt"] == "hi"
+    assert translate({"prompt": [5, 6]}, COMPLETIONS).options["input_ids"] == [5, 6]
+    assert translate({"prompt": [[5, 6]]}, COMPLETIONS).options["input_ids"] == [5, 6]
+    assert "max_new_tokens" not in translate({"messages": USER}, CHAT).options  # the queue's default
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"n": 2}, "n"),
+        ({"logprobs": "yes"}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"something_new": 1}, "something_new"),
+        ({"service_tier": "scale"}, "service_tier"),
+        ({"temperature": 1000}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": -1}, "max_completion_tokens"),
+        ({"seed": 2**70}, "seed"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream_options": {"include_usage": True, "x": 1}}, "stream_options"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": []}]}, "messages[0].tool_calls"),
+    ],
+)
+def test_what_cannot_be_honoured_is_refused_by_name(body: dict[str, Any], field: str) -> None:
+    with pytest.raises(FieldError) as caught:
+        translate({"messages": USER, **body}, CHAT)
+    assert caught.value.field == field and isinstance(caught.value, InvalidRequest)
+
+
+def test_completions_refuse_several_prompts_and_chat_fields() -> None:
+    with pytest.raises(FieldError, match="prompt"):
+        translate({"prompt": ["a", "b"]}, COMPLETIONS)
+    with pytest.raises(FieldError) as caught:
+        translate({"prompt": "a", "echo": True}, COMPLETIONS)
+    assert caught.value.field == "echo"
+
+
+def test_service_tiers_map_to_lanes_in_one_place() -> None:
+    assert lane_for(None) == lane_for("auto") == lane_for("default") == "default"
+    assert (lane_for("priority"), lane_for("flex")) == ("interactive", "batch")
+    assert translate({"prompt": "a", "service_tier": "flex"}, COMPLETIONS).options["priority"] == "batch"
+    assert "priority" not in translate({"prompt": "a"}, COMPLETIONS).options  # the caller's default lane
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "code"),
+    [
+        (FieldError("n", "no"), 400, "invalid_request"),
+        (LimitExceeded("max_new_tokens", "too many"), 400, "invalid_request"),
+        (InvalidRequest("bad"), 400, "invalid_request"),
+        (QueueFull("full"), 429, "queue_full"),
+        (RequestExpired("expired", "late"), 408, "expired"),
+        (ResultTimeout("r", 1.0, 0), 408, "timeout"),
+        (RequestFailed("invalid_request", "too long for the context"), 400, "invalid_request"),
+        (RequestFailed("engine_failed", "boom", retryable=True), 503, "engine_failed"),
+        (RequestFailed("delivery_limit", "workers kept dying"), 503, "delivery_limit"),
+        (RequestFailed("poison_request", "kills engines"), 500, "poison_request"),
+        (RequestFailed("internal", "bug"), 500, "internal"),
+        (RequestFailed("from_the_future", "?", retryable=True), 503, "from_the_future"),
+        (Cancelled(type("R", (), {"request_id": "r", "token_ids": []})()), 409, "cancelled"),
+        (RuntimeError("bug"), 500, "internal"),
+    ],
+)
+def test_error_table(error: Exception, status: int, code: str) -> None:
+    answer = from_exception(error, retry_after_s=2)
+    assert (answer.status, answer.code) == (status, code)
+    body = answer.body()["error"]
+    assert set(body) == {"message", "type", "param", "code"} and body["message"]
+    assert (answer.headers.get("Retry-After") == "2") == (status == 429)
+
+
+def test_limit_errors_name_the_openai_field() -> None:
+    assert from_exception(LimitExceeded("max_new_tokens", "x"), retry_after_s=1).param == "max_tokens"
+    assert from_exception(LimitExceeded("max_stop", "x"), retry_after_s=1).param == "stop"
+
+
+def test_timeout_header() -> None:
+    assert request_timeout(None, 600) == 600
+    assert request_timeout("2.5", 600) == 2.5
+    assert request_timeout("9999", 600) == 600  # at most the gateway's own
+    for bad in ("0", "-1", "soon", "nan", "inf"):
+        with pytest.raises(APIError) as caught:
+            request_timeout(bad, 600)
+        assert caught.value.status == 400 and caught.value.param == "X-Request-Timeout"
+
+
+def test_bearer_keys() -> None:
+    keys = [b"k1", b"k2"]
+    assert authorized("Bearer k2", keys) and authorized("bearer k1", keys)
+    for header in (None, "", "Bearer", "Bearer k3", "Basic k1", "k1", "Bearer k1x"):
+        assert not authorized(header, keys), header

@@ -1,0 +1,96 @@
+"""Constrained output with xgrammar: a response format is compiled into a grammar once per format (cached), and
+each constrained request gets a matcher that says, per step, which tokens its grammar allows.
+
+xgrammar was chosen by measurement on the 2-core CPU machine against llguidance, on SmolLM2's 49k vocabulary,
+a nested JSON schema and 32 rows stepping through a valid answer (`python -m bench.grammars`, both through
+their per-row Python APIs): tokenizer setup 0.19 s vs 0.35 s, compile 6 ms vs 22 ms, the masks of 32 rows
+7 ms vs 83 ms per step, and both allowed every token of the valid answer. vLLM and SGLang default to it too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from worker.engine.errors import RequestRejected
+from worker.engine.types import OutputFormat
+
+_CACHED_GRAMMARS = 256
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:line: " prefix
+
+
+class Grammars:
+    """Compiles `OutputFormat`s for one tokenizer (the tokenizer's table is built on first use, ~0.25 s) and
+    keeps the last `_CACHED_GRAMMARS` compiled ones, so a schema sent with every request compiles once."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos_token_ids = list(eos_token_ids)
+        self._compiler: Any = None
+        self._compiled: OrderedDict[OutputFormat, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def matcher(self, output_format: OutputFormat) -> Any:
+        """A fresh matcher for one request; raises `RequestRejected` when the format does not compile, or when
+        this worker was installed without xgrammar (the `constraints` extra)."""
+        try:
+            import xgrammar
+        except ImportError:
+            raise RequestRejected("this worker cannot apply response formats: install llmq[constraints]") from None
+        return xgrammar.GrammarMatcher(self._compile(output_format))
+
+    def _compile(self, output_format: OutputFormat) -> Any:
+        with self._lock:
+            compiled = self._compiled.get(output_format)
+            if compiled is not None:
+                self._compiled.move_to_end(output_format)
+                return compiled
+            compiler = self._compiler_for_tokenizer()
+            try:
+                if output_format.kind == "json_schema":
+                    compiled = compiler.compile_json_schema(output_format.spec, any_whitespace=False)
+                elif output_format.kind == "json_object":
+                    compiled = compiler.compile_builtin_json_grammar()
+                elif output_format.kind == "regex":
+                    compiled = compiler.compile_regex(output_format.spec)
+                else:
+                    raise RequestRejected(f"unknown response format {output_format.kind!r}")
+            except (RuntimeError, ValueError, TypeError) as error:
+                message = _SOURCE_LOCATION.sub("", str(error).splitlines()[0] if str(error) else type(error).__name__)
+                raise RequestRejected(f"the response format does not compile: {message}") from None
+            self._compiled[output_format] = compiled
+            if len(self._compiled) > _CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+            return compiled
+
+    def _compiler_for_tokenizer(self) -> Any:
+        if self._compiler is None:
+            import xgrammar
+
+            info = xgrammar.TokenizerInfo.from_huggingface(
+                self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._eos_token_ids or None
+            )
+            self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # our cache is bounded
+        return self._compiler
+
+
+def json_schema_format(schema: dict[str, Any]) -> OutputFormat:
+    """The `OutputFormat` of a JSON schema, serialized compactly (keys keep their order: properties are generated
+    in the schema's order), so the same schema sent again shares its compiled grammar."""
+    return OutputFormat("json_schema", json.dumps(schema, separators=(",", ":")))
+
+
+def mask_rows(matchers: list[Any], scores: torch.Tensor) -> None:
+    """Sets to -inf, in place, each row's tokens its matcher does not allow (`scores`: one row per matcher)."""
+    import xgrammar
+
+    bitmask = xgrammar.allocate_token_bitmask(len(matchers), scores.size(-1))
+    for row, matcher in enumerate(matchers):
+        matcher.fill_next_token_bitmask(bitmask, row)
+    xgrammar.apply_token_bitmask_inplace(scores, bitmask)
