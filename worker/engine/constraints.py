@@ -86,11 +86,12 @@ def json_schema_format(schema: dict[str, Any]) -> OutputFormat:
     return OutputFormat("json_schema", json.dumps(schema, separators=(",", ":")))
 
 
-def mask_rows(matchers: list[Any], scores: torch.Tensor) -> None:
-    """Sets to -inf, in place, each row's tokens its matcher does not allow (`scores`: one row per matcher)."""
+def mask_rows(scores: torch.Tensor, matchers: dict[int, Any]) -> None:
+    """Sets to -inf, in place, the tokens each constrained row's matcher does not allow (`matchers`: by row of
+    `scores`); the other rows are left as they are."""
     import xgrammar
 
-    bitmask = xgrammar.allocate_token_bitmask(len(matchers), scores.size(-1))
-    for row, matcher in enumerate(matchers):
+    bitmask = xgrammar.allocate_token_bitmask(scores.size(0), scores.size(-1))
+    for row, matcher in matchers.items():
         matcher.fill_next_token_bitmask(bitmask, row)
-    xgrammar.apply_token_bitmask_inplace(scores, bitmask)
+    xgrammar.apply_token_bitmask_inplace(scores, bitmask, indices=list(matchers))

@@ -28,6 +28,8 @@ class RowState:
     generated: list[int] = field(default_factory=list)  # the whole output so far, delivered tokens included
     matcher: Any = None  # the response format's grammar matcher
     logprobs: deque[TokenLogprob] = field(default_factory=deque)  # one per token, taken by the loop
+    _seen: set[int] | None = None  # prompt and output tokens, for the repetition penalty (built on first use)
+    _counts: torch.Tensor | None = None  # occurrences of each token in the output (built on first use)
 
     def penalize(self, row: torch.Tensor) -> None:
         """Applies the request's penalties to its logits row, in place (before temperature, as vLLM and
@@ -35,12 +37,18 @@ class RowState:
         multiply negative ones), presence and frequency over the output (OpenAI's rule: subtract)."""
         params = self.params
         if params.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(self.context) | set(self.generated)), dtype=torch.long)
+            if self._seen is None:
+                self._seen = {*self.context, *self.generated}
+            seen = torch.tensor(list(self._seen), dtype=torch.long)
             values = row[seen]
             penalty = params.repetition_penalty
             row[seen] = torch.where(values < 0, values * penalty, values / penalty)
-        if (params.presence_penalty or params.frequency_penalty) and self.generated:
-            counts = torch.bincount(torch.tensor(self.generated), minlength=row.size(0))[: row.size(0)].to(row.dtype)
+        if params.presence_penalty or params.frequency_penalty:
+            if self._counts is None:
+                generated = torch.tensor(self.generated, dtype=torch.long)
+                self._counts = torch.zeros(row.size(0), dtype=row.dtype)
+                self._counts.index_add_(0, generated, torch.ones(len(generated), dtype=row.dtype))
+            counts = self._counts
             row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
 
     def draw(self, probs: torch.Tensor) -> int:
@@ -49,23 +57,38 @@ class RowState:
         generator = torch.Generator(device=probs.device).manual_seed(token_seed(self.params.seed, len(self.generated)))
         return int(torch.multinomial(probs, 1, generator=generator))
 
-    def accept(self, token: int, scores: torch.Tensor) -> None:
-        """Records the token drawn from `scores` (the row as sampled): grammar state, output, log-probabilities."""
-        if self.params.logprobs is not None:
-            self.logprobs.append(token_logprob(scores, token, self.params.logprobs))
+    def accept(self, token: int, logprob: TokenLogprob | None) -> None:
+        """Records the token drawn for this request: grammar state, output, and its log-probability if asked."""
+        if logprob is not None:
+            self.logprobs.append(logprob)
         if self.matcher is not None and not self.matcher.is_terminated():
             self.matcher.accept_token(token)
         self.generated.append(token)
+        if self._seen is not None:
+            self._seen.add(token)
+        if self._counts is not None and token < self._counts.size(0):
+            self._counts[token] += 1
 
 
-def token_logprob(scores: torch.Tensor, token: int, alternatives: int) -> TokenLogprob:
-    """The token's log-probability under `scores` (one row, as sampled), and the `alternatives` most likely."""
-    logprobs = torch.log_softmax(scores, dim=-1)
-    top: list[tuple[int, float]] = []
-    if alternatives:
-        values, ids = torch.topk(logprobs, min(alternatives, logprobs.size(0)))
-        top = [(int(i), float(v)) for i, v in zip(ids, values, strict=True) if v > float("-inf")]
-    return TokenLogprob(float(logprobs[token]), top)
+def token_logprobs(
+    scores: torch.Tensor, tokens: torch.Tensor, rows: list[tuple[int, RowState]]
+) -> dict[int, TokenLogprob]:
+    """Each listed row's drawn token's log-probability under its row of `scores` (as sampled) and its most
+    likely alternatives, by row: one log-softmax and one top-k for all of them."""
+    asking = [(row, state.params.logprobs) for row, state in rows if state.params.logprobs is not None]
+    if not asking:
+        return {}
+    logprobs = torch.log_softmax(scores[[row for row, _ in asking]], dim=-1)
+    most = max(alternatives for _, alternatives in asking)
+    values, ids = torch.topk(logprobs, min(most, logprobs.size(-1))) if most else (None, None)
+    found = {}
+    for index, (row, alternatives) in enumerate(asking):
+        top: list[tuple[int, float]] = []
+        if values is not None and ids is not None and alternatives:
+            pairs = zip(ids[index, :alternatives].tolist(), values[index, :alternatives].tolist(), strict=True)
+            top = [(token, value) for token, value in pairs if value > float("-inf")]
+        found[row] = TokenLogprob(float(logprobs[index, int(tokens[row])]), top)
+    return found
 
 
 def token_seed(seed: int, position: int) -> int:

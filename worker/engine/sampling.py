@@ -24,7 +24,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 )
 
 from worker.engine.constraints import mask_rows
-from worker.engine.rows import RowState
+from worker.engine.rows import RowState, token_logprobs
 
 
 class FusedSampler:
@@ -75,8 +75,9 @@ class FusedSampler:
                 if row in seeded:
                     draws[position] = seeded[row].draw(probs[position])
             next_tokens[sampled] = draws
+        logprobs = token_logprobs(logits, next_tokens, self._special)
         for row, state in self._special:
-            state.accept(int(next_tokens[row]), logits[row])
+            state.accept(int(next_tokens[row]), logprobs.get(row))
         output_ids[0, : next_tokens.size(0)].copy_(next_tokens)
 
     def _special_rows(self, count: int) -> list[tuple[int, RowState]]:
@@ -93,12 +94,9 @@ def _treat_rows(scores: torch.Tensor, special: list[tuple[int, RowState]]) -> No
     """Penalties, then the response formats' masks, on the rows that need them (before temperature)."""
     for row, state in special:
         state.penalize(scores[row])
-    constrained = [(row, state.matcher) for row, state in special if state.matcher is not None]
+    constrained = {row: state.matcher for row, state in special if state.matcher is not None}
     if constrained:
-        rows = torch.tensor([row for row, _ in constrained])
-        masked = scores[rows]
-        mask_rows([matcher for _, matcher in constrained], masked)
-        scores[rows] = masked
+        mask_rows(scores, constrained)
 
 
 def _top_k(rows: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
