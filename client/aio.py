@@ -15,7 +15,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from client._core import DEFAULT_URL, BaseClient, BaseJob, Delta, Outcome, Result, connect_kwargs, queue_full_delays
 from client._mux import BLOCK_S, ENTRIES_PER_STREAM, WAKE_DELAY_S, Follower, MuxCore, max_block_ms
-from client.errors import LLMQError, QueueFull
+from client.errors import LLMQError, QueueFull, ResultTimeout
 from client.protocol import DEFAULT_PREFIX, ChatMessage, Lane, RequestLimits
 from client.store import Keys, QueueStatus, queue_cancel_commands, queue_status_commands, status_from_replies
 
@@ -229,26 +229,28 @@ class AsyncJob(BaseJob):
         raises `RequestFailed` and subclasses on `error`, `ResultTimeout` after `timeout` seconds.
         The client's reader follows the stream (with every other awaited job's, over one connection); a lost
         connection is retried with backoff for about 30 s, resuming after the last entry read."""
-        reader, started = self._reader, time.monotonic()
+        reader = self._reader
         if reader.builder.finished:  # read to its end already (`result()` after `stream()`): nothing to follow
             reader.builder.raise_for_error()
             return
         mux = self._client._mux(self.keys)
         follower = mux.follow(reader.key, reader.last_id)
+        # One timer for the whole stream, not one per read: 10,000 streams' per-read timers were most of what
+        # the garbage collector walked in a busy client.
+        alarm = None if timeout is None else asyncio.get_running_loop().call_later(timeout, follower.inbox.expire)
         try:
             while not reader.builder.finished:
-                remaining = reader.remaining_s(started, timeout)
-                try:
-                    async with asyncio.timeout(remaining):
-                        item = await follower.inbox.get()
-                except TimeoutError:
-                    continue  # the next round raises ResultTimeout
+                item = await follower.inbox.get()
+                if item is None:  # the alarm
+                    raise ResultTimeout(reader.request_id, timeout or 0.0, len(reader.builder.token_ids))
                 if isinstance(item, BaseException):
                     raise item
                 delta = reader.consume(*item)
                 if delta is not None:
                     yield delta
         finally:
+            if alarm is not None:
+                alarm.cancel()
             mux.unfollow(follower)
         reader.builder.raise_for_error()
 
@@ -280,6 +282,10 @@ class Inbox:
         self._items.append(item)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+
+    def expire(self) -> None:
+        """Wakes the waiting job with None: its time is up."""
+        self.put_nowait(None)
 
     async def get(self) -> Any:
         while not self._items:
