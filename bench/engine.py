@@ -1,37 +1,146 @@
-"""Engine throughput: our continuous batching vs static padded `model.generate` batches vs one at a time.
+"""Engine throughput on a busy workload: our engine vs the library's own continuous batching vs static padded
+`model.generate` batches vs one request at a time, with the matmul-only limit and a lone request's latency.
 
-    python -m bench.engine [--quick] [--requests N]
+    python -m bench.engine [--quick] [--all-at-once] [--requests N] [--sequential-every K] [--device D --dtype T]
 
-One workload (greedy, EOS ignored, arrival order), three ways. Useful tokens/s counts only the tokens each
-request asked for (a static batch runs until its longest request is done; the padding is wasted work).
+Default workload (a busy service): more requests than slots, `max_running` 32, static batches of at most 32 (the
+same memory), prompts 16-256 tokens, output lengths heavy-tailed (70 % 16-64, 30 % 128-384), greedy, EOS ignored,
+in arrival order. `--requests` defaults to 64, not 256: on 2 CPU cores the four ways over 256 such requests take
+well over half an hour (one request at a time alone ~40 min); 64 keeps the shape (twice the slots, two static
+batches, the same length mix). One-at-a-time `generate` runs on every K-th request (`--sequential-every`, 4 by
+default); its tokens/s stands for the whole workload (at batch 1 a token costs about the same in any request), and
+outputs are compared on that subset. `--all-at-once`: the old workload (32 requests, max_new_tokens 16-128, 32 slots).
+
+Useful tokens/s counts only the tokens each request asked for. `limit_fraction`: the time the engine's own steps
+would take if each cost only its matrix multiplies (every step's token and logits-row counts are recorded; the
+model's linear layers are timed here on those shapes), over the engine's time. `b1_fraction`: one row's matrix
+multiplies over a lone request's decode ms/token on the idle engine. Linear layers run as the loader prepares them
+(pre-packed on float32 CPU) in every way, so the ratios compare the same matrix multiplies.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from bench.workload import Job, load_bench_model, make_workload, peak_rss_mb, print_json
 from worker.engine import Engine, EngineConfig, EngineRequest, GenerationParams
+from worker.engine.loader import DEFAULT_MODEL, LoadOptions, load_model
+
+MAX_RUNNING = 32
+PAGE = 32
+
+
+def load(quick: bool, device: str, dtype: str) -> tuple[Any, Any, str]:
+    if quick:
+        return load_bench_model(True)
+    model, tokenizer = load_model(DEFAULT_MODEL, LoadOptions(device=device, dtype=dtype))
+    return model, tokenizer, "SmolLM2-135M-Instruct"
+
+
+def busy_workload(vocab_size: int, count: int, seed: int = 0) -> list[Job]:
+    """Prompts 16-256; outputs heavy-tailed: 70 % 16-64 tokens, 30 % 128-384."""
+    rng = random.Random(seed)
+    jobs = []
+    for index in range(count):
+        prompt = [rng.randrange(3, vocab_size) for _ in range(rng.randint(16, 256))]
+        new = rng.randint(16, 64) if rng.random() < 0.7 else rng.randint(128, 384)
+        jobs.append(Job(index, prompt, new))
+    return jobs
+
+
+def engine_config(jobs: list[Job], max_running: int) -> EngineConfig:
+    """Room for `max_running` worst-case requests, so admission is bound by slots, not by KV blocks."""
+    longest = max(len(job.prompt_ids) + job.max_new_tokens for job in jobs)
+    tokens = max_running * -(-longest // PAGE) * PAGE
+    return EngineConfig(kv_cache_tokens=tokens, page_size=PAGE, max_batch_tokens=512, max_running=max_running)
+
+
+@dataclass
+class EngineProbe:
+    """What `run_engine` measures besides time, when asked: the mean decode rows per step of the workload and the
+    decode ms/token of one request alone on the idle engine (measured before the workload)."""
+
+    mean_decode_rows: float = 0.0
+    lone_decode_ms: float = 0.0
+    steps: list[tuple[int, int]] = field(default_factory=list)  # (tokens, logits rows) of every workload step
 
 
 async def run_engine(
-    model: Any, tokenizer: Any, jobs: list[Job], config: EngineConfig
+    model: Any, tokenizer: Any, jobs: list[Job], config: EngineConfig, probe: EngineProbe | None = None
 ) -> tuple[float, list[list[int]]]:
+    steps: list[tuple[int, int]] = []  # (tokens, decode rows so far), appended by the engine's thread
     async with Engine(model, tokenizer, config) as engine:
         # Warm the kernels once so no run pays for first-call setup.
         await _drain(engine.submit(EngineRequest("warmup", input_ids=jobs[0].prompt_ids, params=_greedy(4))))
+        if probe is not None:
+            probe.lone_decode_ms = await _lone_decode_ms(engine, jobs[0].prompt_ids[:64])
+        counters = engine.counters
+        engine.observe_steps(lambda tokens: steps.append((tokens, counters.decode_tokens)))
+        decode_before = counters.decode_tokens
         start = time.perf_counter()
         streams = [
             engine.submit(EngineRequest(f"r{job.index}", input_ids=job.prompt_ids, params=_greedy(job.max_new_tokens)))
             for job in jobs
         ]
         outputs = await asyncio.gather(*(_drain(stream) for stream in streams))
-        return time.perf_counter() - start, outputs
+        seconds = time.perf_counter() - start
+    if probe is not None:
+        previous = decode_before
+        for tokens, decoded in steps:
+            rows = decoded - previous
+            previous = decoded
+            # a step's logits rows: its decode rows, plus the prompt chunk(s) it ran (counted as one)
+            probe.steps.append((tokens, rows + (1 if tokens > rows else 0)))
+        probe.mean_decode_rows = (previous - decode_before) / max(1, len(steps))
+    return seconds, outputs
+
+
+async def _lone_decode_ms(engine: Engine, prompt: list[int], tokens: int = 48) -> float:
+    """Decode ms per token of one request on an idle engine (from its first token to its last)."""
+    stamps: list[float] = []
+    async for delta in engine.submit(EngineRequest("lone", input_ids=prompt, params=_greedy(tokens))):
+        stamps.extend(time.perf_counter() for _ in delta.token_ids)
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3
+
+
+def run_library(model: Any, jobs: list[Job], config: EngineConfig) -> tuple[float, list[list[int]]]:
+    """transformers' own continuous-batching manager, same sizing, no adapter: all requests queued at once."""
+    manager = model.init_continuous_batching(
+        generation_config=GenerationConfig(do_sample=False, eos_token_id=-1),
+        continuous_batching_config=ContinuousBatchingConfig(
+            page_size=config.page_size,
+            num_blocks=config.kv_cache_tokens // config.page_size,
+            max_batch_tokens=config.max_batch_tokens,
+            max_requests_per_batch=config.max_running,
+        ),
+    )
+    manager.start()
+    try:
+        manager.add_request(jobs[0].prompt_ids, request_id="warmup", max_new_tokens=4)
+        manager.get_result(timeout=600)
+        start = time.perf_counter()
+        for job in jobs:
+            manager.add_request(job.prompt_ids, request_id=f"r{job.index}", max_new_tokens=job.max_new_tokens)
+        outputs: dict[str, list[int]] = {}
+        while len(outputs) < len(jobs):
+            result = manager.get_result(timeout=600)
+            if result is None:
+                raise RuntimeError("the library's manager stopped before finishing the workload")
+            if result.is_finished():
+                outputs[result.request_id] = list(result.generated_tokens)
+        seconds = time.perf_counter() - start
+    finally:
+        manager.stop(block=True, timeout=60)
+    return seconds, [outputs[f"r{job.index}"] for job in jobs]
 
 
 def run_static(model: Any, tokenizer: Any, jobs: list[Job], batch_size: int) -> tuple[float, list[list[int]]]:
@@ -42,12 +151,12 @@ def run_static(model: Any, tokenizer: Any, jobs: list[Job], batch_size: int) -> 
     for first in range(0, len(jobs), batch_size):
         batch = jobs[first : first + batch_size]
         width = max(len(job.prompt_ids) for job in batch)
-        ids = torch.tensor([[pad] * (width - len(j.prompt_ids)) + j.prompt_ids for j in batch])
+        ids = torch.tensor([[pad] * (width - len(j.prompt_ids)) + j.prompt_ids for j in batch], device=model.device)
         mask = torch.tensor([[0] * (width - len(j.prompt_ids)) + [1] * len(j.prompt_ids) for j in batch])
         with torch.no_grad():
             out = model.generate(
                 input_ids=ids,
-                attention_mask=mask,
+                attention_mask=mask.to(model.device),
                 do_sample=False,
                 pad_token_id=pad,
                 max_new_tokens=max(job.max_new_tokens for job in batch),
@@ -61,13 +170,62 @@ def run_sequential(model: Any, jobs: list[Job]) -> tuple[float, list[list[int]]]
     start = time.perf_counter()
     for job in jobs:
         with torch.no_grad():
-            out = model.generate(torch.tensor([job.prompt_ids]), do_sample=False, max_new_tokens=job.max_new_tokens)
+            ids = torch.tensor([job.prompt_ids], device=model.device)
+            out = model.generate(ids, do_sample=False, max_new_tokens=job.max_new_tokens)
         outputs.append(out[0, len(job.prompt_ids) :].tolist())
     return time.perf_counter() - start, outputs
 
 
+class MatmulBound:
+    """Matrix-multiply time alone, with the model's own linear layers and weights: the body's layers at `tokens`
+    rows plus the output head at `rows` rows, timed on a grid of sizes (best of a few) and interpolated."""
+
+    GRID = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048)
+
+    def __init__(self, model: Any) -> None:
+        head = model.get_output_embeddings()
+        self.head = [head]
+        self.body = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+        self._timed: dict[tuple[bool, int], float] = {}
+
+    def step_ms(self, tokens: int, rows: int) -> float:
+        return self._interpolated(False, tokens) + self._interpolated(True, rows)
+
+    def _interpolated(self, head: bool, size: int) -> float:
+        upper = next((g for g in self.GRID if g >= size), self.GRID[-1])
+        lower = max((g for g in self.GRID if g <= size), default=upper)
+        low, high = self._ms(head, lower), self._ms(head, upper)
+        return low if upper == lower else low + (high - low) * (size - lower) / (upper - lower)
+
+    def _ms(self, head: bool, size: int) -> float:
+        if (head, size) not in self._timed:
+            layers = self.head if head else self.body
+            self._timed[head, size] = _best_ms(layers, size, repeats=5 if size <= 64 else 2)
+        return self._timed[head, size]
+
+
+def _best_ms(layers: list[torch.nn.Linear], rows: int, repeats: int) -> float:
+    weight = layers[0].weight
+    inputs = [torch.randn(rows, layer.in_features, dtype=weight.dtype, device=weight.device) for layer in layers]
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(repeats + 1):  # the first is a warm-up
+            _sync(weight.device)
+            start = time.perf_counter()
+            for layer, x in zip(layers, inputs, strict=True):
+                layer(x)
+            _sync(weight.device)
+            best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _report(label: str, seconds: float, useful: int) -> None:
-    print(f"{label:<12} {seconds:7.2f} s  {useful / seconds:8.1f} useful tok/s   peak RSS {peak_rss_mb():.0f} MB")
+    print(f"{label:<14} {seconds:7.2f} s  {useful / seconds:8.1f} useful tok/s   peak RSS {peak_rss_mb():.0f} MB")
 
 
 def _greedy(max_new_tokens: int) -> GenerationParams:
@@ -78,57 +236,100 @@ async def _drain(stream: Any) -> list[int]:
     return [token async for delta in stream for token in delta.token_ids]
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny random model, finishes in under a minute")
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32])
-    args = parser.parse_args(argv)
+    parser.add_argument("--all-at-once", action="store_true", help="the old workload: 32 requests, all in one batch")
+    parser.add_argument("--requests", type=int, default=None, help="default 64 (32 with --all-at-once)")
+    parser.add_argument("--sequential-every", type=int, default=None, help="one-at-a-time on every K-th request")
+    parser.add_argument("--skip-library", action="store_true")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
+    return parser.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(argv)
     torch.manual_seed(0)
-    model, tokenizer, name = load_bench_model(args.quick)
+    model, tokenizer, name = load(args.quick, args.device, args.dtype)
     model.generation_config.eos_token_id = None  # EOS ignored: every request generates all it asked for
-    jobs = make_workload(model.config.vocab_size, args.requests, (16, 256), (16, 128))
+    if args.all_at_once:
+        count = max_running = args.requests or 32
+        jobs, shape = make_workload(model.config.vocab_size, count, (16, 256), (16, 128)), "all at once"
+    else:
+        count, max_running = args.requests or 64, MAX_RUNNING
+        jobs, shape = busy_workload(model.config.vocab_size, count), "busy"
+    every = args.sequential_every or (1 if args.quick or args.all_at_once else 4)
     useful = sum(job.max_new_tokens for job in jobs)
-    print(f"model: {name}; {len(jobs)} requests, prompts 16-256, max_new_tokens 16-128, {useful} useful tokens")
-    print(f"torch threads: {torch.get_num_threads()}")
+    print(f"model: {name} on {model.device} ({model.dtype}); torch threads {torch.get_num_threads()}")
+    print(f"workload ({shape}): {len(jobs)} requests, max_running {max_running}, {useful} useful tokens")
 
-    config = EngineConfig(kv_cache_tokens=16384, page_size=32, max_batch_tokens=512, max_running=len(jobs))
-    engine_s, engine_out = asyncio.run(run_engine(model, tokenizer, jobs, config))
+    config = engine_config(jobs, max_running)
+    probe = EngineProbe()
+    engine_s, engine_out = asyncio.run(run_engine(model, tokenizer, jobs, config, probe))
+    mean_rows, lone_ms = probe.mean_decode_rows, probe.lone_decode_ms
     _report("engine", engine_s, useful)
+    library_s = library_out = None
+    if not args.skip_library:
+        library_s, library_out = run_library(model, jobs, config)
+        _report("library CB", library_s, useful)
+    static_s, static_out = run_static(model, tokenizer, jobs, max_running)
+    _report(f"static b={max_running}", static_s, useful)
+    subset = jobs[::every]
+    sequential_s, sequential_out = run_sequential(model, subset)
+    sequential_tok_s = sum(job.max_new_tokens for job in subset) / sequential_s
+    print(f"{'sequential':<14} {sequential_s:7.2f} s  {sequential_tok_s:8.1f} useful tok/s   ({len(subset)} requests)")
 
-    static = {}
-    for size in args.batch_sizes:
-        static_s, static_out = run_static(model, tokenizer, jobs, size)
-        static[size] = (static_s, static_out)
-        _report(f"static b={size}", static_s, useful)
-    best_size = min(static, key=lambda size: static[size][0])
-    static_s, static_out = static[best_size]
+    bound = MatmulBound(model)
+    limit_s = sum(bound.step_ms(tokens, rows) for tokens, rows in probe.steps) / 1e3
+    one_row_ms = bound.step_ms(1, 1)
+    engine_tok_s = useful / engine_s
 
-    sequential_s, sequential_out = run_sequential(model, jobs)
-    _report("sequential", sequential_s, useful)
+    def matches(outputs: list[list[int]] | None) -> int | None:
+        if outputs is None:
+            return None
+        return sum(outputs[job.index] == reference for job, reference in zip(subset, sequential_out, strict=True))
 
-    matches = sum(a == b for a, b in zip(engine_out, sequential_out, strict=True))
-    static_matches = sum(a == b for a, b in zip(static_out, sequential_out, strict=True))
     figures = {
         "model": name,
+        "device": str(model.device),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "workload": shape,
         "requests": len(jobs),
+        "max_running": max_running,
         "useful_tokens": useful,
-        "engine_tok_s": round(useful / engine_s, 2),
+        "engine_tok_s": round(engine_tok_s, 2),
+        "library_tok_s": None if library_s is None else round(useful / library_s, 2),
         "static_tok_s": round(useful / static_s, 2),
-        "static_best_batch_size": best_size,
-        "sequential_tok_s": round(useful / sequential_s, 2),
+        "sequential_tok_s": round(sequential_tok_s, 2),
+        "sequential_requests": len(subset),
         "ratio_static": round(static_s / engine_s, 3),
-        "ratio_sequential": round(sequential_s / engine_s, 3),
-        "outputs_match": matches == len(jobs),
-        "engine_matches_sequential": matches,
-        "static_matches_sequential": static_matches,
+        "ratio_sequential": round(engine_tok_s / sequential_tok_s, 3),
+        "ratio_library": None if library_s is None else round(library_s / engine_s, 3),
+        "engine_steps": len(probe.steps),
+        "mean_decode_rows": round(mean_rows, 1),
+        "matmul_only_s": round(limit_s, 2),
+        "limit_tok_s": round(useful / limit_s, 2),
+        "limit_fraction": round(limit_s / engine_s, 3),
+        "lone_decode_ms": round(lone_ms, 2),
+        "matmul_one_row_ms": round(one_row_ms, 2),
+        "b1_fraction": round(one_row_ms / lone_ms, 3),
+        "outputs_match": matches(engine_out) == len(subset),
+        "engine_matches_sequential": matches(engine_out),
+        "library_matches_sequential": matches(library_out),
+        "static_matches_sequential": matches(static_out),
         "peak_rss_mb": round(peak_rss_mb()),
     }
     print(
-        f"ratio vs static (b={best_size}): {figures['ratio_static']}x   vs sequential: {figures['ratio_sequential']}x"
+        f"ratios: static {figures['ratio_static']}x  sequential {figures['ratio_sequential']}x  "
+        f"library {figures['ratio_library']}x"
     )
-    print(f"engine outputs equal to one-at-a-time greedy: {matches}/{len(jobs)}; static padded: {static_matches}")
+    print(
+        f"limit: the engine's {len(probe.steps)} steps (mean {mean_rows:.1f} decode rows) at their matmul time alone "
+        f"take {limit_s:.1f} s -> {useful / limit_s:.1f} tok/s; limit_fraction {figures['limit_fraction']}"
+    )
+    print(f"lone request: {lone_ms:.1f} ms/token vs one-row matmuls {one_row_ms:.1f} ms: b1 {figures['b1_fraction']}")
+    print(f"outputs equal to one-at-a-time greedy: engine {matches(engine_out)}/{len(subset)}")
     print_json(figures)
 
 

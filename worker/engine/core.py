@@ -28,8 +28,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 from transformers.generation.continuous_batching.requests import GenerationOutput
 
-from worker.engine import attention, sampling
-from worker.engine.attention import supports_varlen
+from worker.engine import attention, fastpath, sampling
 from worker.engine.constraints import Grammars
 from worker.engine.errors import EngineClosed, EngineError, EngineFailed, RequestRejected
 from worker.engine.inputs import InputProcessor, ModelLimits
@@ -60,7 +59,7 @@ class EngineConfig:
     max_running: int = 32
     prefix_sharing: bool = False
     seed: int | None = None
-    varlen_attention: bool = True  # per-request attention instead of the library's dense masked SDPA
+    varlen_attention: bool = True  # our CPU attention (batched decode, paged reads), not the dense masked SDPA
     stop_timeout_s: float = 30.0
 
 
@@ -254,13 +253,16 @@ class Engine:
                 seed=sizing.seed,
             ),
         )
-        if self.config.varlen_attention and supports_varlen(self.model):
+        if fastpath.choose(self.model, self.config.varlen_attention).varlen_attention:
             # Switched after the manager checked the implementation and before it builds its batch buffers,
             # so it builds no dense masks either; switched back before any new manager and on close.
             attention.register()
             self.model.set_attn_implementation(attention.ATTENTION_NAME)
         manager.warmup()  # allocates the paged cache now, so its real size is known before the first request
+        # The fused sampler goes in wherever CUDA graphs are off (it declines otherwise): per-request seeds,
+        # logprobs, penalties and response formats need it, on any device.
         self._per_row = sampling.install(manager, self._row_states)
+        fastpath.install_reads(manager)
         self.counters.instrument(manager)
         manager.start()
         cache = manager.batch_processor.cache

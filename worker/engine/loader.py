@@ -26,6 +26,7 @@ class LoadOptions:
     attn_implementation: str | None = None
     trust_remote_code: bool = False
     cache_dir: Path = Path.home() / ".cache" / "llmq" / "models"
+    prepack: bool = True  # float32 on CPU: linear weights pre-packed for oneDNN (`prepack.py`), ~2x faster matmuls
 
 
 def load_model(spec: str = DEFAULT_MODEL, options: LoadOptions | None = None) -> tuple[Any, Any]:
@@ -43,7 +44,12 @@ def load_model(spec: str = DEFAULT_MODEL, options: LoadOptions | None = None) ->
     model: Any = AutoModelForCausalLM.from_pretrained(
         str(source) if source.exists() else spec, dtype=_torch_dtype(options), **kwargs
     )
-    return model.to(options.device).eval(), tokenizer
+    model = model.to(options.device).eval()
+    if options.prepack:
+        from worker.engine.prepack import prepack
+
+        prepack(model)  # only float32 CPU layers; a no-op elsewhere
+    return model, tokenizer
 
 
 def resolve_source(spec: str) -> Path:

@@ -1,0 +1,51 @@
+"""Which of our CPU fast paths the engine uses, decided in one place from the device and the model.
+
+Our per-request/batched attention (`attention.py`) and its paged cache reads (`paged_reads.py`) were measured to win
+on CPU, where the library falls back to dense masked SDPA. On CUDA the library's own paths are better and must stay
+untouched: flash / paged kernels with a block table, CUDA graphs, no host synchronisation per layer. So they are
+CPU-only, and attention also needs plain full attention. (The fused sampler, `sampling.py`, is not a choice made
+here: it carries the per-request features and installs itself wherever CUDA graphs are off.)
+
+Engine hook (`core.py`): `choose(model, config.varlen_attention)` before the manager's warmup (switch attention when
+`varlen_attention`), and `install_reads(manager)` after the warmup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from worker.engine import paged_reads
+from worker.engine.attention import ATTENTION_NAME, supports_varlen_config
+
+
+@dataclass(frozen=True, slots=True)
+class FastPaths:
+    varlen_attention: bool  # our attention function instead of the library's dense masked SDPA
+    paged_reads: bool  # attention reads the paged cache directly (needs our attention function)
+
+
+def select(device: str | torch.device, config: Any) -> FastPaths:
+    """The paths for a model config on a device (`"cpu"`, `"cuda:0"`, ...). Pure: testable without the device."""
+    on_cpu = torch.device(device).type == "cpu"
+    varlen = on_cpu and supports_varlen_config(config)
+    return FastPaths(varlen_attention=varlen, paged_reads=varlen)
+
+
+def choose(model: Any, varlen_attention: bool = True) -> FastPaths:
+    """The paths for a loaded model; `varlen_attention=False` (the engine setting) keeps the library's attention."""
+    paths = select(model.device, model.config)
+    if varlen_attention:
+        return paths
+    return FastPaths(varlen_attention=False, paged_reads=False)
+
+
+def install_reads(manager: Any) -> bool:
+    """After the manager's warmup (its cache exists): attention reads the paged cache directly, where the model runs
+    our attention function on CPU. True when installed."""
+    model = manager.model
+    if model.config._attn_implementation != ATTENTION_NAME or torch.device(model.device).type != "cpu":
+        return False
+    return paged_reads.install(manager.batch_processor.cache)

@@ -1,0 +1,168 @@
+"""Attention reads straight from the paged KV cache, instead of from a per-layer copy of every request's K and V.
+
+transformers' paged cache (5.24, index path) writes each layer's new K/V and then `index_select`s every running
+request's whole past into one concatenated tensor, which attention then slices again: a second full copy of the
+cache per layer and step, which was about a third of a 32-row decode step on CPU. `install(cache)` overrides that
+one cache's `update` (an instance attribute, nothing global): it writes the new K/V as the library does, skips the
+read-back, and hands attention the layer's cache view and a per-step `StepPlan`. Attention then copies each decode
+row's keys once, straight into the padded layout its single batched call reads (`attention.py`).
+
+The plan is built once per step (the first layer) and shared by every layer: decode rows sorted by length and cut
+into a few padded groups (each group one gather and one attention call), prefill chunks kept per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
+
+PAGED_KV = "llmq_paged_kv"  # the attention kwarg that carries a `PagedKV`
+# What one more attention call costs, in padded key rows (one row = one key of one decode row): a call and its
+# gather cost about as much as ~2k key rows on CPU, so two rows of lengths 40 and 600 go to separate calls.
+GROUP_COST_ROWS = 2048
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Decode rows of similar key length, attended in one padded call."""
+
+    rows: torch.Tensor  # positions of these rows in the step's flat query, [n]
+    index: torch.Tensor  # cache rows to read, [n * width]: each row's keys, padded with its last key
+    mask: torch.Tensor | None  # additive, [n, 1, 1, width]: -inf on padding; None when no row is padded
+    width: int
+    buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def gather(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This group's keys and values as `[n, kv_heads, width, head_dim]` views, copied once into buffers reused by
+        every layer of the step (a fresh multi-MB tensor per layer costs more than the copy on a busy CPU)."""
+        buffers = self.buffers.get(keys.dtype)
+        if buffers is None:
+            shape = (self.index.numel(), *keys.shape[1:])
+            buffers = self.buffers[keys.dtype] = (keys.new_empty(shape), values.new_empty(shape))
+        key_rows = torch.index_select(keys, 0, self.index, out=buffers[0])
+        value_rows = torch.index_select(values, 0, self.index, out=buffers[1])
+        n = self.rows.numel()
+        return (
+            key_rows.view(n, self.width, *keys.shape[1:]).transpose(1, 2),
+            value_rows.view(n, self.width, *values.shape[1:]).transpose(1, 2),
+        )
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """How one step's rows are attended: decode rows in groups, the other rows (prefill chunks) one by one."""
+
+    decode: list[DecodeGroup]
+    prefill: list[tuple[int, int, int, int]]  # (q_start, q_end, k_start, k_end) in the flat query and read index
+    read_index: torch.Tensor  # cache rows of every request's keys, concatenated (the library's layout)
+
+
+@dataclass(frozen=True, slots=True)
+class PagedKV:
+    """One layer's cache view (`[cache rows, kv_heads, head_dim]`, new K/V already written) and the step's plan."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    plan: StepPlan
+
+
+def plan_step(
+    query_offsets: list[int], key_offsets: list[int], read_index: torch.Tensor, cost_rows: int = GROUP_COST_ROWS
+) -> StepPlan:
+    """Splits a step's requests into decode groups (one query row each) and prefill chunks."""
+    decode: list[tuple[int, int, int]] = []  # (key length, query position, key start)
+    prefill = []
+    for q_start, q_end, k_start, k_end in zip(
+        query_offsets, query_offsets[1:], key_offsets, key_offsets[1:], strict=False
+    ):
+        if q_end - q_start == 1:
+            decode.append((k_end - k_start, q_start, k_start))
+        elif q_end > q_start:
+            prefill.append((q_start, q_end, k_start, k_end))
+    decode.sort()
+    groups = [
+        _group(decode[first:last], read_index) for first, last in split_by_length([d[0] for d in decode], cost_rows)
+    ]
+    return StepPlan(groups, prefill, read_index)
+
+
+def split_by_length(lengths: list[int], cost_rows: int = GROUP_COST_ROWS) -> list[tuple[int, int]]:
+    """Cuts ascending lengths into contiguous groups minimising padded rows plus `cost_rows` per group (exact DP)."""
+    count = len(lengths)
+    best = [0] + [0] * count
+    cut = [0] * (count + 1)
+    for last in range(1, count + 1):
+        best[last], cut[last] = min(
+            (best[first] + (last - first) * lengths[last - 1] + cost_rows, first) for first in range(last)
+        )
+    spans = []
+    last = count
+    while last > 0:
+        spans.append((cut[last], last))
+        last = cut[last]
+    return spans[::-1]
+
+
+def _group(rows: list[tuple[int, int, int]], read_index: torch.Tensor) -> DecodeGroup:
+    device = read_index.device
+    lengths = torch.tensor([length for length, _, _ in rows], device=device)
+    starts = torch.tensor([start for _, _, start in rows], device=device)
+    width = int(rows[-1][0])
+    offsets = torch.arange(width, device=device)
+    valid = offsets.unsqueeze(0) < lengths.unsqueeze(1)
+    positions = starts.unsqueeze(1) + torch.minimum(offsets.unsqueeze(0), (lengths - 1).unsqueeze(1))
+    mask = None
+    if not bool(valid.all()):
+        mask = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_fill_(~valid, float("-inf"))
+        mask = mask[:, None, None, :]
+    return DecodeGroup(
+        rows=torch.tensor([position for _, position, _ in rows], device=device),
+        index=read_index[positions.reshape(-1)],
+        mask=mask,
+        width=width,
+    )
+
+
+def supports_paged_reads(cache: Any) -> bool:
+    """Only full-attention layers on the index path: sliding windows read a ring, not a request's whole past."""
+    allocators = list(getattr(cache, "cache_allocators", {}).values())
+    return bool(allocators) and all(isinstance(a, FullAttentionCacheAllocator) for a in allocators)
+
+
+def install(cache: Any) -> bool:
+    """Makes this cache hand attention `PagedKV` instead of copied K/V on steps that read the cache. Returns False
+    (and changes nothing) where the layout is not plain full attention."""
+    if not supports_paged_reads(cache) or getattr(cache, "_llmq_paged_reads", False):
+        return False
+    library_update = cache.update
+    step: dict[str, Any] = {"source": None, "plans": {}}  # plans by allocator, for the step whose list is "source"
+
+    def update(
+        key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        allocator = cache.layer_to_allocator[layer_idx]
+        read_indices = kwargs.get("read_index")
+        if kwargs.get("block_table") is not None or not read_indices or read_indices[allocator.index].numel() == 0:
+            return library_update(key_states, value_states, layer_idx, kwargs)  # no cache read: nothing to save
+        kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][allocator.layer_type].to(torch.int32)
+        kwargs["max_length_k"] = kwargs["max_length_k"][allocator.layer_type]
+        keys, values = allocator._kv_token_views[layer_idx]
+        write_index = kwargs["write_index"][allocator.index]
+        keys.index_copy_(0, write_index, key_states[0].transpose(0, 1))
+        values.index_copy_(0, write_index, value_states[0].transpose(0, 1))
+        if step["source"] is not read_indices:  # first layer of a step: the list is rebuilt for every batch
+            step["source"], step["plans"] = read_indices, {}
+        plan = step["plans"].get(allocator.index)
+        if plan is None:
+            plan = step["plans"][allocator.index] = plan_step(
+                kwargs["cu_seq_lens_q"].tolist(), kwargs["cu_seq_lens_k"].tolist(), read_indices[allocator.index]
+            )
+        kwargs[PAGED_KV] = PagedKV(keys, values, plan)
+        return key_states, value_states  # only the new K/V; attention reads the past through PAGED_KV
+
+    cache.update = update
+    cache._llmq_paged_reads = True
+    return True

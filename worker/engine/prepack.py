@@ -1,0 +1,70 @@
+"""Float32 linear layers on CPU with their weights pre-packed once for oneDNN, instead of on every call.
+
+A plain `F.linear` on CPU re-lays out (packs) the weight matrix for the GEMM kernel at each call; for a 135M model
+that is most of a decode step's matrix-multiply time at small batches. oneDNN can keep the weight in its own
+layout: measured here 1.7-2.2x faster for 1-32 rows and for 256-token prefills, with greedy outputs unchanged on
+SmolLM2. The cost is memory: a second copy of every linear weight (the dense one stays, for `generate`'s
+other users, tied embeddings and `state_dict`; float32 SmolLM2: about 0.5 GB more).
+
+`prepack(model)` swaps each float32 `nn.Linear` for a `PackedLinear` that shares its parameters (tied weights stay
+tied). It packs again if the weight changes (`weight._version`), and falls back to `F.linear` for anything but
+float32 CPU inference (autograd, other dtypes or devices).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional
+
+
+def available() -> bool:
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class PackedLinear(nn.Linear):
+    """An `nn.Linear` (same parameters, same state dict) that multiplies with a oneDNN-packed copy of its weight."""
+
+    _packed: torch.Tensor | None
+    _packed_version: int
+
+    @classmethod
+    def wrap(cls, linear: nn.Linear) -> PackedLinear:
+        packed = cls.__new__(cls)
+        nn.Module.__init__(packed)
+        packed.in_features, packed.out_features = linear.in_features, linear.out_features
+        packed.weight, packed.bias = linear.weight, linear.bias  # shared: tied weights stay tied
+        packed._packed, packed._packed_version = None, -1
+        return packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if (
+            x.device.type != "cpu"
+            or x.dtype != torch.float32
+            or weight.dtype != torch.float32
+            or weight.device.type != "cpu"
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        ):
+            return functional.linear(x, weight, self.bias)
+        if self._packed is None or self._packed_version != weight._version:
+            self._packed, self._packed_version = weight.detach().to_mkldnn(), weight._version
+        bias = None if self.bias is None else self.bias.detach()
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self._packed, bias, "none", [], "")
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def prepack(model: Any) -> int:
+    """Swaps every float32 CPU `nn.Linear` in `model` for a `PackedLinear`; returns how many. No-op without oneDNN."""
+    if not available():
+        return 0
+    wrapped: dict[int, PackedLinear] = {}  # a layer reached through two parents is packed once
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+                if id(child) not in wrapped:
+                    wrapped[id(child)] = PackedLinear.wrap(child)
+                setattr(parent, name, wrapped[id(child)])
+    return len(wrapped)
