@@ -152,11 +152,8 @@ async def test_cancel_mid_stream_frees_kv(llama_dir: Path, make_engine: Any) -> 
     assert not engine.cancel("long")
 
 
-async def test_failed_engine_thread_restarts(llama_dir: Path, make_engine: Any) -> None:
-    model, tokenizer = load(llama_dir)
-    engine = await make_engine(llama_dir, model, tokenizer)
-    expected = tokens_of(await collect(engine.submit(EngineRequest("before", input_ids=[3, 4], params=greedy(6)))))
-
+async def kill_engine_thread_once(engine: Any, model: Any) -> None:
+    """Makes the model's next forward raise (once): the request running then fails and the thread restarts."""
     original_forward = model.forward
 
     def broken_forward(*args: Any, **kwargs: Any) -> Any:
@@ -166,7 +163,15 @@ async def test_failed_engine_thread_restarts(llama_dir: Path, make_engine: Any) 
     model.forward = broken_forward
     with pytest.raises(EngineFailed):
         await collect(engine.submit(EngineRequest("victim", input_ids=[3, 4], params=greedy(50))))
-    await wait_until(lambda: engine.stats().restarts == 1)
+    await wait_until(lambda: engine.stats().restarts == 1 and engine.alive)
+
+
+async def test_failed_engine_thread_restarts(llama_dir: Path, make_engine: Any) -> None:
+    model, tokenizer = load(llama_dir)
+    engine = await make_engine(llama_dir, model, tokenizer)
+    expected = tokens_of(await collect(engine.submit(EngineRequest("before", input_ids=[3, 4], params=greedy(6)))))
+
+    await kill_engine_thread_once(engine, model)
     after = await collect(engine.submit(EngineRequest("after", input_ids=[3, 4], params=greedy(6))))
     assert tokens_of(after) == expected
 

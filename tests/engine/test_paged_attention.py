@@ -13,11 +13,9 @@ import torch
 from torch.nn import functional
 
 from tests.engine.conftest import load, reference_greedy
-from tests.engine.test_engine import collect, greedy, mixed_prompts, tokens_of
-from tests.polling import wait_until
+from tests.engine.test_engine import collect, greedy, kill_engine_thread_once, mixed_prompts, tokens_of
 from worker.engine import paged_reads
 from worker.engine.attention import ATTENTION_NAME, paged_attention
-from worker.engine.errors import EngineFailed
 from worker.engine.paged_reads import PagedKV, plan_step, split_by_length
 from worker.engine.sampling import FusedSampler
 from worker.engine.types import EngineRequest
@@ -132,16 +130,7 @@ async def test_a_restarted_engine_reads_the_paged_cache_again(llama_dir: Path, m
     engine = await make_engine(llama_dir, model, tokenizer)
     prompt = list(range(3, 60))
     expected = tokens_of(await collect(engine.submit(EngineRequest("before", input_ids=prompt, params=greedy(12)))))
-    original_forward = model.forward
-
-    def broken_forward(*args: Any, **kwargs: Any) -> Any:
-        model.forward = original_forward  # fail exactly once
-        raise RuntimeError("simulated device fault")
-
-    model.forward = broken_forward
-    with pytest.raises(EngineFailed):
-        await collect(engine.submit(EngineRequest("victim", input_ids=[3, 4], params=greedy(50))))
-    await wait_until(lambda: engine.stats().restarts == 1 and engine.alive)
+    await kill_engine_thread_once(engine, model)
     assert engine._manager is not None
     assert getattr(engine._manager.batch_processor.cache, "_llmq_paged_reads", False)
     after = await collect(engine.submit(EngineRequest("after", input_ids=prompt, params=greedy(12))))
