@@ -273,9 +273,11 @@ class SamplingParams(_Wire):
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
-    def _logprobs_asked(self) -> SamplingParams:
+    def _consistent(self) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs")
+        if self.response_format is not None and self.ignore_eos:
+            raise ValueError("a response_format ends its output with EOS: ignore_eos cannot be combined with it")
         return self
 
 

@@ -33,8 +33,22 @@ class Grammars:
         self._vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
         self._compiler: Any = None
+        self._info: Any = None
+        self._control_tokens: torch.Tensor | None = None
         self._compiled: OrderedDict[OutputFormat, Any] = OrderedDict()
         self._lock = threading.Lock()
+
+    def control_tokens(self) -> torch.Tensor:
+        """Ids of the tokens whose text holds a control character (U+0000-U+001F, tab and newline included).
+        JSON allows none of them raw, but xgrammar 0.2.9's schema strings accept them (a black-box test found
+        `"h\x05..."`), so JSON formats mask these tokens too. Whitespace between values stays possible: spaces."""
+        with self._lock:
+            if self._control_tokens is None:
+                self._compiler_for_tokenizer()
+                vocabulary = self._info.decoded_vocab
+                ids = [i for i, text in enumerate(vocabulary) if any(byte < 0x20 for byte in text)]
+                self._control_tokens = torch.tensor(ids, dtype=torch.long)
+            return self._control_tokens
 
     def matcher(self, output_format: OutputFormat) -> Any:
         """A fresh matcher for one request; raises `RequestRejected` when the format does not compile, or when
@@ -55,8 +69,8 @@ class Grammars:
             try:
                 if output_format.kind == "json_schema":
                     compiled = compiler.compile_json_schema(output_format.spec, any_whitespace=False)
-                elif output_format.kind == "json_object":
-                    compiled = compiler.compile_builtin_json_grammar()
+                elif output_format.kind == "json_object":  # an object, as OpenAI's JSON mode (not any value)
+                    compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
                 elif output_format.kind == "regex":
                     compiled = compiler.compile_regex(output_format.spec)
                 else:
@@ -73,10 +87,10 @@ class Grammars:
         if self._compiler is None:
             import xgrammar
 
-            info = xgrammar.TokenizerInfo.from_huggingface(
+            self._info = xgrammar.TokenizerInfo.from_huggingface(
                 self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._eos_token_ids or None
             )
-            self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # our cache is bounded
+            self._compiler = xgrammar.GrammarCompiler(self._info, cache_enabled=False)  # our cache is bounded
         return self._compiler
 
 

@@ -157,6 +157,8 @@ class Engine:
         state = RowState(params, context=[], generated=delivered)
         if params.output_format is not None:
             state.matcher = self._grammars.matcher(params.output_format)
+            if params.output_format.kind.startswith("json"):
+                state.forbidden = self._grammars.control_tokens()
             for token in delivered:
                 if not state.matcher.accept_token(token):
                     raise RequestRejected("the output delivered so far does not match the response format")

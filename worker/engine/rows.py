@@ -27,6 +27,7 @@ class RowState:
     context: list[int]  # the prompt (and, on a resume, what was delivered): the repetition penalty sees it
     generated: list[int] = field(default_factory=list)  # the whole output so far, delivered tokens included
     matcher: Any = None  # the response format's grammar matcher
+    forbidden: torch.Tensor | None = None  # token ids masked besides the matcher's (control characters in JSON)
     logprobs: deque[TokenLogprob] = field(default_factory=deque)  # one per token, taken by the loop
     _seen: set[int] | None = None  # prompt and output tokens, for the repetition penalty (built on first use)
     _counts: torch.Tensor | None = None  # occurrences of each token in the output (built on first use)

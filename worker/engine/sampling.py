@@ -97,6 +97,9 @@ def _treat_rows(scores: torch.Tensor, special: list[tuple[int, RowState]]) -> No
     constrained = {row: state.matcher for row, state in special if state.matcher is not None}
     if constrained:
         mask_rows(scores, constrained)
+    for row, state in special:
+        if state.forbidden is not None:
+            scores[row, state.forbidden] = float("-inf")
 
 
 def _top_k(rows: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
