@@ -25,7 +25,7 @@ from typing import Any
 from redis.asyncio import BlockingConnectionPool, Redis
 
 from bench.fabric import with_workers
-from bench.workload import print_json
+from bench.workload import percentile, print_json
 from client import AsyncClient
 from client._core import ResultReader
 from client._mux import parse_id
@@ -37,10 +37,6 @@ KEYS = Keys("default")
 STEP_S = 0.02
 WORKERS, SLOTS = 2, 64
 
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
 class GcPauses:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from bench.engine import run_engine
-from bench.workload import Job, make_workload, peak_rss_mb, print_json
+from bench.workload import Job, make_workload, peak_rss_mb, percentile, print_json
 from client import AsyncClient
 from worker.embedded_redis import RedisServer
 from worker.engine import DEFAULT_MODEL, EngineConfig, LoadOptions, load_model
@@ -137,10 +137,6 @@ async def _submit(client: AsyncClient, job: Job) -> Any:
         input_ids=job.prompt_ids, max_new_tokens=job.max_new_tokens, temperature=0, ignore_eos=True
     )
 
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:

@@ -27,16 +27,12 @@ from typing import Any
 import httpx
 
 from bench.fabric import with_workers
-from bench.workload import print_json
+from bench.workload import percentile, print_json
 from client import AsyncClient
 from worker.embedded_redis import RedisServer
 
 MODEL = "scripted"  # what bench.fabric's workers announce
 
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
 def prompt(index: int) -> list[dict[str, str]]:

@@ -26,7 +26,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from bench.workload import Job, make_workload, print_json
+from bench.workload import Job, make_workload, percentile, print_json
 from client import AsyncClient
 from client.store import Fence
 from worker.embedded_redis import RedisServer
@@ -52,10 +52,6 @@ def start_worker(url: str, model: str, name: str, log: Path) -> subprocess.Popen
     args = [str(part) for pair in flags.items() for part in pair]
     return subprocess.Popen([sys.executable, "-m", "worker", *args], stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
 async def interactive_ttfts(client: AsyncClient, jobs: list[Job], arrivals: list[float]) -> list[float]:

@@ -43,6 +43,12 @@ def load_bench_model(quick: bool) -> tuple[Any, Any, str]:
     return model, tokenizer, "SmolLM2-135M-Instruct"
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The `q` quantile of `values` (nearest rank below); 0 for none."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 

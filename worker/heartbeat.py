@@ -73,14 +73,17 @@ class Heartbeat:
         """The live workers' tokens per second (each between its last two heartbeats we saw, smoothed), summed;
         the backlog gauges divide by it. Every worker measures the same fleet: the last to write wins."""
         recent = ms_now() - int(3 * self._settings.heartbeat_s * 1000)
+        seen, rates = {}, {}  # only the workers in this status: restarted workers' ids do not pile up
         for worker in workers:
-            before = self._seen.get(worker.id)
+            before, last = self._seen.get(worker.id), self._rates.get(worker.id)
             if before is not None and worker.heartbeat > before[1]:
                 rate = 1000 * max(0, worker.tokens_generated - before[0]) / (worker.heartbeat - before[1])
-                last = self._rates.get(worker.id)
-                self._rates[worker.id] = rate if last is None else 0.5 * last + 0.5 * rate
-            self._seen[worker.id] = (worker.tokens_generated, worker.heartbeat)
-        live = [self._rates[w.id] for w in workers if w.heartbeat >= recent and w.id in self._rates]
+                last = rate if last is None else 0.5 * last + 0.5 * rate
+            if last is not None:
+                rates[worker.id] = last
+            seen[worker.id] = (worker.tokens_generated, worker.heartbeat)
+        self._seen, self._rates = seen, rates
+        live = [rates[w.id] for w in workers if w.heartbeat >= recent and w.id in rates]
         return sum(live) if live else None
 
     def info(self) -> WorkerInfo:

@@ -190,9 +190,9 @@ class Worker:
         `pick_victim` names, and start the request in the slot it frees."""
         block_ms = min(self.settings.read_block_ms, _PREEMPTIVE_WAIT_MS)
         decisions = await self.intake.read(1, [("interactive", 1)], block_ms=block_ms)
-        victim = self._preemptible()  # again: the wait may have changed what runs
         if not decisions:
             return
+        victim = self._preemptible()  # again: the wait may have changed what runs
         if victim is None:  # nothing to hand back any more: the request waits for the next free slot here
             await self._start_all(decisions)
             return
