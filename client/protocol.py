@@ -120,7 +120,8 @@ MAX_EPOCH_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: deadlines and ti
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 MAX_PENALTY = 2.0  # presence and frequency penalties, as OpenAI bounds them
-MAX_REPETITION_PENALTY = 10.0
+# Dividing logits by a smaller repetition penalty overflows float32 and poisons the whole batch's sampling.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 10.0
 MAX_SCHEMA_BYTES = 65536  # a response format's JSON schema or regex, serialized
 
 
@@ -141,7 +142,7 @@ BOUNDS: tuple[Bound, ...] = (
     Bound("params.top_k", 0, MAX_TOP_K, "0 is off; clamped to the model's vocabulary"),
     Bound("params.seed", MIN_SEED, MAX_SEED, "the same seed gives the same tokens, in any batch, on any worker"),
     Bound("params.top_logprobs", 0, MAX_TOP_LOGPROBS, "alternatives per token; needs logprobs"),
-    Bound("params.repetition_penalty", 0.0, MAX_REPETITION_PENALTY, "0 excluded; 1 is off; prompt and output"),
+    Bound("params.repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY, "1 is off; prompt and output"),
     Bound("params.presence_penalty", -MAX_PENALTY, MAX_PENALTY, "0 is off; tokens of the output"),
     Bound("params.frequency_penalty", -MAX_PENALTY, MAX_PENALTY, "0 is off; tokens of the output, by count"),
     Bound("params.response_format", 0, MAX_SCHEMA_BYTES, "bytes of its schema or regex, serialized"),
@@ -266,7 +267,7 @@ class SamplingParams(_Wire):
     logprobs: Annotated[bool, Field(strict=True)] = False
     top_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_TOP_LOGPROBS)] = 0
     repetition_penalty: Annotated[
-        float, Field(strict=True, gt=0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)
+        float, Field(strict=True, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)
     ] = 1.0
     presence_penalty: Annotated[float, Field(strict=True, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)] = 0.0
     frequency_penalty: Annotated[float, Field(strict=True, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)] = 0.0

@@ -15,6 +15,7 @@ from client.protocol import (
     MAX_TEMPERATURE,
     MAX_TOP_K,
     MAX_TOP_LOGPROBS,
+    MIN_REPETITION_PENALTY,
     MIN_SEED,
 )
 from worker.engine.errors import RequestRejected
@@ -152,8 +153,9 @@ def _check_row_params(params: GenerationParams, is_int: Any, is_real: Any) -> No
     if params.logprobs is not None and (not is_int(params.logprobs) or not 0 <= params.logprobs <= MAX_TOP_LOGPROBS):
         raise RequestRejected(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {params.logprobs!r}")
     penalty = params.repetition_penalty
-    if not is_real(penalty) or not 0 < penalty <= MAX_REPETITION_PENALTY:
-        raise RequestRejected(f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY}], got {penalty!r}")
+    if not is_real(penalty) or not MIN_REPETITION_PENALTY <= penalty <= MAX_REPETITION_PENALTY:
+        bounds = f"[{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]"
+        raise RequestRejected(f"repetition_penalty must be a number in {bounds}, got {penalty!r}")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(params, name)
         if not is_real(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
