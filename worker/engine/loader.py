@@ -71,7 +71,10 @@ def smollm2_gguf() -> Path:
 
 
 def _converted_gguf(gguf: Path, options: LoadOptions) -> Path:
-    """The cached model folder for a GGUF file, converting it on first use (atomically: a crash leaves none)."""
+    """The cached model folder for a GGUF file, converting it on first use (atomically: a crash leaves none).
+
+    Workers started together on one cache (`--scale worker=N` on a fresh volume) each convert; the first rename
+    wins and the others keep its folder, which holds the same model."""
     stat = gguf.stat()
     target = options.cache_dir / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}"
     if (target / "config.json").exists():
@@ -88,7 +91,11 @@ def _converted_gguf(gguf: Path, options: LoadOptions) -> Path:
         )
         tokenizer.save_pretrained(staging)
         model.save_pretrained(staging)
-        os.replace(staging, target)
+        try:
+            os.replace(staging, target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
