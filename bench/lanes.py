@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import subprocess
 import sys
@@ -50,7 +51,9 @@ def start_worker(url: str, model: str, name: str, log: Path) -> subprocess.Popen
         "--log-level": "warning",
     }
     args = [str(part) for pair in flags.items() for part in pair]
-    return subprocess.Popen([sys.executable, "-m", "worker", *args], stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a core each, as each worker of a fleet has its own device
+    command = [sys.executable, "-m", "worker", *args]
+    return subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
 
 
 

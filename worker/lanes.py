@@ -43,7 +43,8 @@ def pick_victim(
     running: Iterable[_Running], counts: Mapping[Lane, int], reserved: int, max_preemptions: int
 ) -> _Running | None:
     """The request to hand back for an interactive one: from the lowest lane that holds more than its reserved
-    slots, the most recently started (the least work moves), never one preempted `max_preemptions` times."""
+    slots, the most recently started (the least work moves; a resumed request counts from its first start), never
+    one preempted `max_preemptions` times."""
     candidates = [
         r
         for r in running

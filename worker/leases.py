@@ -8,8 +8,10 @@ however long they generate, and a dead worker's move to whoever runs XAUTOCLAIM 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from redis.asyncio import Redis
+from redis.typing import StreamIdT
 
 from client.protocol import Lane
 from client.store import CONSUMER_GROUP, HAND_BACK_DRAIN, Keys, Scripts
@@ -59,6 +61,18 @@ class Leases:
             self._stream, CONSUMER_GROUP, self._consumer, self._lease_ms, start_id=self._cursor, count=count
         )
         self._cursor, entries = reply[0], reply[1]
+        return await self._with_deliveries(entries)
+
+    async def reclaim(self, entry_ids: list[bytes]) -> list[Claimed]:
+        """Takes back entries this worker handed back (say, to preempt them) and nobody has claimed since: a
+        request preempted here resumes in the next slot that frees here, before any newer entry of its lane."""
+        if not entry_ids:
+            return []
+        ids: list[StreamIdT] = list(entry_ids)
+        entries = await self._redis.xclaim(self._stream, CONSUMER_GROUP, self._consumer, self._lease_ms, ids)
+        return await self._with_deliveries(entries)
+
+    async def _with_deliveries(self, entries: list[Any]) -> list[Claimed]:
         # Redis 7 drops entries deleted meanwhile and lists them apart; 6.2 returns them with no fields.
         entries = [(entry_id, fields) for entry_id, fields in entries if fields]
         if not entries:

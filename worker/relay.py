@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 from structlog.typing import FilteringBoundLogger
 
@@ -68,7 +67,9 @@ class Relay:
         self.entry_id = ready.accepted.entry_id
         self.lane = ready.accepted.lane
         self.preemptions = ready.preemptions
-        self.started = time.monotonic()
+        # When the request first started, on any worker (epoch s): a resumed request has done that attempt's work
+        # before, so preemption (`pick_victim`) leaves it alone rather than moving it again and again.
+        self.started = (ready.first_started_ms or ms_now()) / 1000
         self.target = target_of(ready)
         self.fenced = False  # another worker owns the request now: write nothing more
         self.tokens = len(ready.delivered_ids)

@@ -36,7 +36,7 @@ from worker.intake import (
     decide_ready,
 )
 from worker.lanes import pick_victim, read_steps, reserved_slots
-from worker.leases import Leases
+from worker.leases import Claimed, Leases
 from worker.logging import get_logger, redact
 from worker.metrics import Metrics
 from worker.pausing import pause
@@ -82,6 +82,7 @@ class Worker:
         self.relays: dict[str, Relay] = {}
         self._capacity = asyncio.Event()
         self._next_claim = 0.0
+        self._preempted: dict[Lane, list[bytes]] = {lane: [] for lane in LANES}  # handed back here, to resume here
         self._chores: set[asyncio.Task[None]] = set()  # dead letters written from callbacks
         # Helpers stop on this flag, not by cancellation (see `worker.pausing`).
         self._finished = asyncio.Event()
@@ -161,21 +162,27 @@ class Worker:
                 await asyncio.sleep(1.0)
 
     async def _claim(self, free: int) -> int:
-        """Takes over requests whose worker died (idle past the lease); returns how many were claimed."""
+        """Resumes requests this worker preempted and takes over those whose worker died (idle past the lease)
+        or that were handed back; returns how many were claimed."""
+        taken = 0
+        for lane, entry_ids in self._preempted.items():  # first the requests this worker preempted, highest lane first
+            resumable, self._preempted[lane] = entry_ids[: free - taken], entry_ids[free - taken :]
+            taken += await self._start_claimed(lane, await self.leases[lane].reclaim(resumable))
         now = asyncio.get_running_loop().time()
         if now < self._next_claim:
-            return 0
+            return taken
         self._next_claim = now + self.settings.claim_interval_s
-        taken = 0
         for lane, leases in self.leases.items():  # highest lane first
-            claimed = await leases.claim(free - taken)
-            if claimed:
-                self.metrics.claims.inc(len(claimed))
-                self.log.info("claimed", lane=lane, count=len(claimed), entries=[c.entry_id.decode() for c in claimed])
-                decisions, deliveries = self.intake.decide_claimed(lane, claimed)
-                await self._start_all(decisions, deliveries)
-                taken += len(claimed)
+            taken += await self._start_claimed(lane, await leases.claim(free - taken))
         return taken
+
+    async def _start_claimed(self, lane: Lane, claimed: list[Claimed]) -> int:
+        if claimed:
+            self.metrics.claims.inc(len(claimed))
+            self.log.info("claimed", lane=lane, count=len(claimed), entries=[c.entry_id.decode() for c in claimed])
+            decisions, deliveries = self.intake.decide_claimed(lane, claimed)
+            await self._start_all(decisions, deliveries)
+        return len(claimed)
 
     def _running_by_lane(self) -> dict[Lane, int]:
         return dict(Counter(relay.lane for relay in self.relays.values() if not relay.fenced))
@@ -186,8 +193,8 @@ class Worker:
 
     async def _preempt_for_interactive(self) -> None:
         """A full engine running preemptible work: wait (briefly, so a freed slot is noticed soon too) for an
-        interactive request; take it (so no other worker preempts for it as well), hand back the victim
-        `pick_victim` names, and start the request in the slot it frees."""
+        interactive request; take it (so no other worker preempts for it as well), cancel the victim `pick_victim`
+        names, start the request in the slot it frees, then hand the victim back once its output is published."""
         block_ms = min(self.settings.read_block_ms, _PREEMPTIVE_WAIT_MS)
         decisions = await self.intake.read(1, [("interactive", 1)], block_ms=block_ms)
         if not decisions:
@@ -198,10 +205,6 @@ class Worker:
             return
         victim.fenced = True  # writes nothing more; whoever claims it resumes from what is published
         self.engine.cancel(victim.request.id)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(1.0):
-                await self.publisher.wait_idle()
-        await self.leases[victim.lane].hand_back([(victim.entry_id, victim.request.id)], HAND_BACK_PREEMPTION)
         self.metrics.preempted(victim.lane)
         self.log.info(
             "preempted",
@@ -211,7 +214,12 @@ class Worker:
             preemptions=victim.preemptions + 1,
             for_entry=decisions[0].entry_id.decode(),
         )
-        await self._start_all(decisions)
+        await self._start_all(decisions)  # into the freed slot before the hand-back's round trips: it is urgent
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(1.0):
+                await self.publisher.wait_idle()
+        await self.leases[victim.lane].hand_back([(victim.entry_id, victim.request.id)], HAND_BACK_PREEMPTION)
+        self._preempted[victim.lane].append(victim.entry_id)
 
     # ------------------------------------------------------------------ start
 

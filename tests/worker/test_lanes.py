@@ -52,6 +52,23 @@ def test_the_victim_is_the_newest_of_the_lowest_lane_above_its_share() -> None:
     assert pick_victim([Run("interactive", 1.0)], {"interactive": 1}, 0, 3) is None
 
 
+def test_a_resumed_request_counts_from_its_first_start_so_fresher_work_is_preempted_first() -> None:
+    from client.protocol import GenerateRequest, ms_now
+    from worker.intake import Accepted, Ready
+    from worker.relay import Relay
+
+    def relay(first_started_ms: int | None) -> Relay:
+        request = GenerateRequest(id="r", input_ids=[3], params={"max_new_tokens": 5}, submitted=ms_now())
+        accepted = Accepted(b"1-0", request, lane="batch")
+        ready = Ready(accepted, 2, False, [7], "", False, first_started_ms=first_started_ms)
+        return Relay(ready, publisher=None, log=None, metrics=None)  # type: ignore[arg-type]
+
+    fresh = relay(first_started_ms=None)
+    resumed = relay(first_started_ms=ms_now() - 60_000)  # resumed after the fresh one started
+    assert resumed.started < fresh.started
+    assert pick_victim([fresh, resumed], {"batch": 2}, 0, 3) is fresh
+
+
 # --- a worker, scripted engine -----------------------------------------------------------------------
 
 
@@ -166,3 +183,26 @@ async def test_a_request_preempted_to_its_limit_runs_to_the_end(start_worker: An
     assert await fence(redis, batch.id, Fence.PREEMPTED, client.keys) == 1
     labels = {"queue": "default", "model_name": running.worker.settings.model, "lane": "batch"}
     assert running.worker.metrics.registry.get_sample_value("llmq:preemptions_total", labels) == 1
+
+
+async def test_a_preempted_request_resumes_in_the_next_free_slot_before_newer_entries_of_its_lane(
+    start_worker: Any, client: AsyncClient
+) -> None:
+    """Claiming runs once a minute here, so only the preempting worker's own reclaim can resume the victim
+    ahead of the batch entry submitted after it."""
+    running = await start_worker(step_s=0.01, max_running=1, lane_share=0, claim_interval_s=60)
+    redis = running.worker.redis
+    victim = await client.submit(input_ids=[5, 6], max_new_tokens=300, ignore_eos=True, priority="batch")
+    await wait_until(lambda: published_tokens(redis, client.keys.result(victim.id)))
+    newer = await client.submit(input_ids=[5, 7], max_new_tokens=300, ignore_eos=True, priority="batch")
+    urgent = await client.submit(input_ids=[9], max_new_tokens=5, ignore_eos=True, priority="interactive")
+    await urgent.result(timeout=30)
+
+    async def resumed() -> bool:
+        return await fence(redis, victim.id, Fence.ATTEMPT, client.keys) == 2
+
+    await wait_until(resumed)
+    assert await fence(redis, newer.id, Fence.ATTEMPT, client.keys) == 0  # ...while the newer one waits
+    victim_result, newer_result = await asyncio.gather(victim.result(timeout=60), newer.result(timeout=60))
+    assert len(victim_result.token_ids) == len(newer_result.token_ids) == 300
+    assert await fence(redis, victim.id, Fence.PREEMPTED, client.keys) == 1
