@@ -1,7 +1,7 @@
 """Traffic classes on one fleet: interactive requests beside a saturating batch load, against the same
 interactive arrivals on an idle fleet and the same batch load alone, in one run, two worker processes.
 
-    python -m bench.lanes [--quick] [--batch 48] [--interactive 16]
+    python -m bench.lanes [--quick] [--batch 96] [--interactive 32]
 
 Phases, after a warm-up that runs every prompt once: (1) Poisson `interactive` arrivals on the idle fleet;
 (2) the batch load alone (its greedy outputs are the reference, its tokens/s the baseline); (3) the same
@@ -10,6 +10,9 @@ P50/P99 loaded and unloaded (`ttft_p99_ratio`), batch requests completed, lost a
 reference, preemptions (the fence field `p` of the batch requests), batch tokens/s loaded over alone
 (`batch_throughput_ratio`). Targets: `ttft_p99_ratio <= 2.0`, `batch_lost == 0`, `batch_mismatched == 0`,
 `batch_throughput_ratio >= 0.85`.
+
+Each worker computes on one thread (`OMP_NUM_THREADS=1`): the two workers stand for two machines, so that on a
+2-core host "loaded" means a full engine, not also two workers fighting over the cores an idle one had alone.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def start_worker(url: str, model: str, name: str, log: Path) -> subprocess.Popen
         "--worker-id": name,
         "--max-running": MAX_RUNNING,
         "--kv-cache-tokens": 16384,
-        "--max-batch-tokens": 256,
+        "--max-batch-tokens": 64,
         "--read-block-ms": 20,
         "--heartbeat-s": 0.5,
         "--claim-interval-s": 0.2,
@@ -128,7 +131,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             # oneDNN kernel, which would otherwise land on whichever phase meets it first).
             handles, _ = await batch_run(client, batch[: WORKERS * MAX_RUNNING])
             await outputs(handles)
-            await interactive_ttfts(client, interactive, [0.0] * len(interactive))
+            for job in interactive:  # alone, as the idle phase will run them
+                await interactive_ttfts(client, [job], [0.0])
 
             idle = await interactive_ttfts(client, interactive, arrivals)
             print(f"interactive alone: TTFT P50 {percentile(idle, 0.5):.3f} s, P99 {percentile(idle, 0.99):.3f} s")
@@ -188,9 +192,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny random model")
-    parser.add_argument("--batch", type=int, default=48, help="batch requests (more than the fleet's 16 slots)")
+    parser.add_argument("--batch", type=int, default=96, help="batch requests (more than the fleet's 16 slots)")
     parser.add_argument("--batch-tokens", type=int, default=96, help="tokens per batch request")
-    parser.add_argument("--interactive", type=int, default=16, help="interactive requests (16 tokens each)")
+    parser.add_argument("--interactive", type=int, default=32, help="interactive requests (16 tokens each)")
     parser.add_argument("--rate", type=float, default=0.5, help="interactive arrivals per second (Poisson)")
     args = parser.parse_args(argv)
     print_json(asyncio.run(main_async(args)))

@@ -45,7 +45,9 @@ def wire_error(error: EngineError) -> WireError:
     return ERRORS[EngineError]
 
 
-def engine_request(request: GenerateRequest, resume: Resume | None = None, *, suspect: bool = False) -> EngineRequest:
+def engine_request(
+    request: GenerateRequest, resume: Resume | None = None, *, suspect: bool = False, urgent: bool = False
+) -> EngineRequest:
     params = request.params
     return EngineRequest(
         request_id=request.id,
@@ -68,6 +70,7 @@ def engine_request(request: GenerateRequest, resume: Resume | None = None, *, su
         ),
         resume=resume,
         suspect=suspect,
+        urgent=urgent,
     )
 
 

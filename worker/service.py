@@ -286,7 +286,8 @@ class Worker:
             self._fence_out(self.relays[request.id])  # the old run stops; this attempt resumes from its output
         resume = Resume(ready.delivered_ids, ready.delivered_text) if ready.delivered_ids else None
         try:
-            stream = self.engine.submit(engine_request(request, resume, suspect=decision.suspect))
+            urgent = ready.accepted.lane == "interactive"
+            stream = self.engine.submit(engine_request(request, resume, suspect=decision.suspect, urgent=urgent))
         except EngineError as error:
             self.log.info("rejected", request_id=request.id, reason=str(error))
             relay.fail(error)

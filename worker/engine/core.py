@@ -28,7 +28,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 from transformers.generation.continuous_batching.requests import GenerationOutput
 
-from worker.engine import attention, fastpath, sampling
+from worker.engine import attention, fastpath, sampling, urgency
 from worker.engine.constraints import Grammars
 from worker.engine.errors import EngineClosed, EngineError, EngineFailed, RequestRejected
 from worker.engine.inputs import InputProcessor, ModelLimits
@@ -78,6 +78,7 @@ class Engine:
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.counters = StepCounters()
         self._grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids)
+        self._urgent: set[str] = set()  # library ids of urgent requests, whose prefill the scheduler takes first
         self._row_states: dict[str, RowState] = {}  # by library id: the requests the sampler treats apart
         self._per_row = True  # the fused sampler is installed (not with CUDA graphs): per-row features work
         self._manager: ContinuousBatchingManager | None = None
@@ -143,7 +144,11 @@ class Engine:
         if row_state is not None:
             row_state.context = prepared.prompt_ids
             stream.row_state = self._row_states[stream.library_id] = row_state
-        self._waiting.append(stream)
+        if request.urgent:
+            self._urgent.add(stream.library_id)
+            self._waiting.appendleft(stream)
+        else:
+            self._waiting.append(stream)
         self._admit()
         return stream
 
@@ -265,6 +270,7 @@ class Engine:
         # logprobs, penalties and response formats need it, on any device.
         self._per_row = sampling.install(manager, self._row_states)
         fastpath.install_reads(manager)
+        urgency.install(manager, self._urgent)
         self.counters.instrument(manager)
         manager.start()
         cache = manager.batch_processor.cache
@@ -294,8 +300,9 @@ class Engine:
             self.model.set_attn_implementation("sdpa")
 
     def _admit(self) -> None:
-        """Starts waiting requests, oldest first, while batch slots and unreserved KV blocks allow. A suspect
-        waits while another suspect runs, without holding up the requests behind it."""
+        """Starts waiting requests (urgent ones were queued first, then oldest first) while batch slots and
+        unreserved KV blocks allow. A suspect waits while another suspect runs, without holding up the requests
+        behind it."""
         manager = self._manager
         suspect_running = any(s.request.suspect for s in self._running.values())
         # Not into a dying thread (its failed outputs arrive before the watchdog sees it): they wait for the next.
@@ -383,6 +390,7 @@ class Engine:
     def _end(self, stream: RequestStream, outcome: str, error: EngineError | None = None) -> None:
         """Takes a request out of the engine's books, counts its outcome, and lets the next waiting one in."""
         self._row_states.pop(stream.library_id, None)
+        self._urgent.discard(stream.library_id)
         if stream.library_id in self._running:
             del self._running[stream.library_id]
             self._reserved_blocks -= stream.kv_blocks

@@ -91,6 +91,8 @@ class EngineRequest:
     # Implicated in an earlier engine failure: the engine runs at most one suspect at a time, next to any number
     # of other requests, so a failure with a suspect in it points at that suspect and at no other suspect.
     suspect: bool = False
+    # Someone is waiting for the first token (the interactive lane): its prefill goes before other requests'.
+    urgent: bool = False
 
     def __repr__(self) -> str:  # prompts and ids stay out of logs
         return f"EngineRequest(request_id={self.request_id!r}, params={self.params!r}, suspect={self.suspect})"
