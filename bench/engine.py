@@ -2,6 +2,7 @@
 `model.generate` batches vs one request at a time, with the matmul-only limit and a lone request's latency.
 
     python -m bench.engine [--quick] [--all-at-once] [--requests N] [--sequential-every K] [--device D --dtype T]
+                           [--quantize int8]
 
 Default workload (a busy service): more requests than slots, `max_running` 32, static batches of at most 32 (the
 same memory), prompts 16-256 tokens, output lengths heavy-tailed (70 % 16-64, 30 % 128-384), greedy, EOS ignored,
@@ -16,12 +17,18 @@ would take if each cost only its matrix multiplies (every step's token and logit
 model's linear layers are timed here on those shapes), over the engine's time. `b1_fraction`: one row's matrix
 multiplies over a lone request's decode ms/token on the idle engine. Linear layers run as the loader prepares them
 (pre-packed on float32 CPU) in every way, so the ratios compare the same matrix multiplies.
+
+`--quantize int8` also runs the engine way on the same model loaded with `quantize="int8"` (`LLMQ_QUANTIZE`):
+`int8_speedup` is its tokens/s over float32's, and agreement compares its greedy outputs with the float32 engine's,
+request by request: `int8_first_diff_mean`, the mean index of the first differing token (a request without a
+difference counts as its length), and `int8_identical`, the fraction of requests with no difference.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import random
 import time
 from dataclasses import dataclass, field
@@ -34,6 +41,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from bench.workload import Job, load_bench_model, make_workload, peak_rss_mb, print_json
 from worker.engine import Engine, EngineConfig, EngineRequest, GenerationParams
 from worker.engine.loader import DEFAULT_MODEL, LoadOptions, load_model
+from worker.engine.quantize import quantize_int8
 
 MAX_RUNNING = 32
 PAGE = 32
@@ -44,6 +52,15 @@ def load(quick: bool, device: str, dtype: str) -> tuple[Any, Any, str]:
         return load_bench_model(True)
     model, tokenizer = load_model(DEFAULT_MODEL, LoadOptions(device=device, dtype=dtype))
     return model, tokenizer, "SmolLM2-135M-Instruct"
+
+
+def load_int8(quick: bool, device: str, dtype: str) -> Any:
+    """The same model with its body in int8; the tiny random one is rebuilt from its seed and converted."""
+    if quick:
+        model = load_bench_model(True)[0]
+        quantize_int8(model)
+        return model
+    return load_model(DEFAULT_MODEL, LoadOptions(device=device, dtype=dtype, quantize="int8"))[0]
 
 
 def busy_workload(vocab_size: int, count: int, seed: int = 0) -> list[Job]:
@@ -224,6 +241,36 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def first_differences(outputs: list[list[int]], references: list[list[int]]) -> list[int]:
+    """Per request, the index of its first token that differs from the reference's (the reference's length if none)."""
+    return [
+        next((i for i, (a, b) in enumerate(itertools.zip_longest(out, ref)) if a != b), len(ref))
+        for out, ref in zip(outputs, references, strict=True)
+    ]
+
+
+def int8_figures(
+    useful: int,
+    float32_s: float,
+    int8_s: float | None,
+    probe: EngineProbe,
+    outputs: list[list[int]] | None,
+    references: list[list[int]],
+) -> dict[str, Any]:
+    """The int8 engine's speed against float32's and the agreement of their greedy outputs (all None if not run)."""
+    if int8_s is None or outputs is None:
+        keys = ("engine_tok_s", "speedup", "lone_decode_ms", "first_diff_mean", "identical")
+        return {f"int8_{key}": None for key in keys}
+    firsts = first_differences(outputs, references)
+    return {
+        "int8_engine_tok_s": round(useful / int8_s, 2),
+        "int8_speedup": round(float32_s / int8_s, 3),
+        "int8_lone_decode_ms": round(probe.lone_decode_ms, 2),
+        "int8_first_diff_mean": round(sum(firsts) / len(firsts), 1),
+        "int8_identical": round(sum(f == len(r) for f, r in zip(firsts, references, strict=True)) / len(firsts), 3),
+    }
+
+
 def _report(label: str, seconds: float, useful: int) -> None:
     print(f"{label:<14} {seconds:7.2f} s  {useful / seconds:8.1f} useful tok/s   peak RSS {peak_rss_mb():.0f} MB")
 
@@ -245,6 +292,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-library", action="store_true")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--quantize", choices=("none", "int8"), default="none", help="int8: also the int8 engine")
     return parser.parse_args(argv)
 
 
@@ -252,6 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     torch.manual_seed(0)
     model, tokenizer, name = load(args.quick, args.device, args.dtype)
+    int8_model = load_int8(args.quick, args.device, args.dtype) if args.quantize == "int8" else None
     model.generation_config.eos_token_id = None  # EOS ignored: every request generates all it asked for
     if args.all_at_once:
         count = max_running = args.requests or 32
@@ -269,6 +318,11 @@ def main(argv: list[str] | None = None) -> None:
     engine_s, engine_out = asyncio.run(run_engine(model, tokenizer, jobs, config, probe))
     mean_rows, lone_ms = probe.mean_decode_rows, probe.lone_decode_ms
     _report("engine", engine_s, useful)
+    int8_s = int8_out = None
+    int8_probe = EngineProbe()
+    if int8_model is not None:
+        int8_s, int8_out = asyncio.run(run_engine(int8_model, tokenizer, jobs, config, int8_probe))
+        _report("engine int8", int8_s, useful)
     library_s = library_out = None
     if not args.skip_library:
         library_s, library_out = run_library(model, jobs, config)
@@ -318,6 +372,7 @@ def main(argv: list[str] | None = None) -> None:
         "engine_matches_sequential": matches(engine_out),
         "library_matches_sequential": matches(library_out),
         "static_matches_sequential": matches(static_out),
+        **int8_figures(useful, engine_s, int8_s, int8_probe, int8_out, engine_out),
         "peak_rss_mb": round(peak_rss_mb()),
     }
     print(
@@ -330,6 +385,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(f"lone request: {lone_ms:.1f} ms/token vs one-row matmuls {one_row_ms:.1f} ms: b1 {figures['b1_fraction']}")
     print(f"outputs equal to one-at-a-time greedy: engine {matches(engine_out)}/{len(subset)}")
+    if int8_s is not None:
+        print(
+            f"int8: {figures['int8_speedup']}x float32's tok/s; greedy outputs first differ at token "
+            f"{figures['int8_first_diff_mean']} on average, {figures['int8_identical']} of requests identical"
+        )
     print_json(figures)
 
 

@@ -50,6 +50,9 @@ class Settings(BaseSettings, LimitSettings):
     attn_implementation: str | None = Field(None, description="e.g. sdpa, flash_attention_2")
     trust_remote_code: bool = Field(False, description="run code shipped with a hub model (off unless set)")
     model_cache_dir: Path = Field(Path.home() / ".cache" / "llmq" / "models", description="converted GGUF models")
+    quantize: Literal["none", "int8"] = Field(
+        "none", description="int8: int8 weights for batches of up to 32 rows (CPU float32 only; faster decode)"
+    )
 
     # Engine sizing
     kv_cache_tokens: int = Field(

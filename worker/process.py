@@ -59,6 +59,7 @@ async def serve(settings: Settings, *, handle_signals: bool = True) -> None:
             attn_implementation=settings.attn_implementation,
             trust_remote_code=settings.trust_remote_code,
             cache_dir=settings.model_cache_dir,
+            quantize=settings.quantize,
         )
         model, tokenizer = await asyncio.to_thread(load_model, settings.model, options)
         async with Engine(model, tokenizer, engine_config(settings)) as engine:

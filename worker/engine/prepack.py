@@ -39,15 +39,20 @@ class PackedLinear(nn.Linear):
         packed._packed, packed._packed_version = None, -1
         return packed
 
+    def cpu_inference(self, x: torch.Tensor) -> bool:
+        """Float32 on CPU without autograd: where a packed (or quantized) copy of the weight may be used."""
+        weight = self.weight
+        return (
+            x.device.type == "cpu"
+            and x.dtype == torch.float32
+            and weight.dtype == torch.float32
+            and weight.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        if (
-            x.device.type != "cpu"
-            or x.dtype != torch.float32
-            or weight.dtype != torch.float32
-            or weight.device.type != "cpu"
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        ):
+        if not self.cpu_inference(x):
             return functional.linear(x, weight, self.bias)
         if self._packed is None or self._packed_version != weight._version:
             self._packed, self._packed_version = weight.detach().to_mkldnn(), weight._version
