@@ -245,10 +245,11 @@ class Intake:
         return []
 
     def decide_claimed(self, lane: Lane, claimed: list[Claimed]) -> tuple[list[Decision], dict[bytes, int]]:
-        """Claimed entries of one lane go through the same decisions; also returns each entry's delivery count."""
-        return [decide(c.entry_id, c.fields, self._limits, lane=lane) for c in claimed], {
-            c.entry_id: c.deliveries for c in claimed
-        }
+        """Claimed entries of one lane go through the same decisions but the deadline (they started in time, and
+        may have published part of their answer: a preempted or handed-back request resumes); also returns each
+        entry's delivery count."""
+        decisions = [decide(c.entry_id, c.fields, self._limits, check_deadline=False, lane=lane) for c in claimed]
+        return decisions, {c.entry_id: c.deliveries for c in claimed}
 
     async def prepare(
         self, accepted: list[Accepted], deliveries: dict[bytes, int] | None = None, forgiven_hand_backs: int = 10

@@ -193,16 +193,18 @@ class Worker:
 
     async def _preempt_for_interactive(self) -> None:
         """A full engine running preemptible work: wait (briefly, so a freed slot is noticed soon too) for an
-        interactive request; take it (so no other worker preempts for it as well), cancel the victim `pick_victim`
-        names, start the request in the slot it frees, then hand the victim back once its output is published."""
+        interactive request and take it (so no other worker preempts for it as well). Only once the engine has
+        accepted it and it waits for a slot (not refused, expired or cancelled), cancel the victim `pick_victim`
+        names, whose slot goes to the urgent request at once, then hand the victim back once its output is
+        published."""
         block_ms = min(self.settings.read_block_ms, _PREEMPTIVE_WAIT_MS)
         decisions = await self.intake.read(1, [("interactive", 1)], block_ms=block_ms)
         if not decisions:
             return
+        await self._start_all(decisions)  # queued in the engine (urgent: first in line), or answered
         victim = self._preemptible()  # again: the wait may have changed what runs
-        if victim is None:  # nothing to hand back any more: the request waits for the next free slot here
-            await self._start_all(decisions)
-            return
+        if victim is None or self.engine.stats().waiting == 0:
+            return  # it runs already, was answered without running, or waits here for the next free slot
         victim.fenced = True  # writes nothing more; whoever claims it resumes from what is published
         self.engine.cancel(victim.request.id)
         self.metrics.preempted(victim.lane)
@@ -214,7 +216,6 @@ class Worker:
             preemptions=victim.preemptions + 1,
             for_entry=decisions[0].entry_id.decode(),
         )
-        await self._start_all(decisions)  # into the freed slot before the hand-back's round trips: it is urgent
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(1.0):
                 await self.publisher.wait_idle()
