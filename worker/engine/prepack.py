@@ -13,6 +13,7 @@ float32 CPU inference (autograd, other dtypes or devices).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,11 +66,24 @@ def prepack(model: Any) -> int:
     """Swaps every float32 CPU `nn.Linear` in `model` for a `PackedLinear`; returns how many. No-op without oneDNN."""
     if not available():
         return 0
-    wrapped: dict[int, PackedLinear] = {}  # a layer reached through two parents is packed once
+    return swap_float32_linears(model, PackedLinear.wrap, lambda linear: type(linear) is nn.Linear)
+
+
+def swap_float32_linears(
+    model: Any, wrap: Callable[[nn.Linear], nn.Module], wanted: Callable[[nn.Linear], bool]
+) -> int:
+    """Replaces each float32 CPU linear layer of `model` that `wanted` accepts by `wrap(layer)`; returns how many.
+    A layer reached through two parents (tied weights) is wrapped once and stays shared."""
+    wrapped: dict[int, nn.Module] = {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+            if (
+                isinstance(child, nn.Linear)
+                and child.weight.dtype == torch.float32
+                and child.weight.device.type == "cpu"
+                and wanted(child)
+            ):
                 if id(child) not in wrapped:
-                    wrapped[id(child)] = PackedLinear.wrap(child)
+                    wrapped[id(child)] = wrap(child)
                 setattr(parent, name, wrapped[id(child)])
     return len(wrapped)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.engine.prepack import PackedLinear
+from worker.engine.prepack import PackedLinear, swap_float32_linears
 from worker.engine.prepack import available as prepack_available
 
 INT8_MAX_ROWS = 32  # up to here (decode steps) int8 is faster; beyond, pre-packed float32 is
@@ -73,18 +73,8 @@ def quantize_int8(model: Any) -> int:
     if not available():
         raise RuntimeError("int8 needs torch with oneDNN and torch.ops.aten._weight_int8pack_mm")
     head = model.get_output_embeddings()
-    wrapped: dict[int, PackedLinear] = {}  # a layer reached through two parents is converted once
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if (
-                isinstance(child, nn.Linear)
-                and not isinstance(child, Int8Linear)
-                and child is not head
-                and child.in_features % _K_MULTIPLE == 0
-                and child.weight.dtype == torch.float32
-                and child.weight.device.type == "cpu"
-            ):
-                if id(child) not in wrapped:
-                    wrapped[id(child)] = Int8Linear.wrap(child)
-                setattr(parent, name, wrapped[id(child)])
-    return len(wrapped)
+
+    def convertible(linear: nn.Linear) -> bool:
+        return not isinstance(linear, Int8Linear) and linear is not head and linear.in_features % _K_MULTIPLE == 0
+
+    return swap_float32_linears(model, Int8Linear.wrap, convertible)
