@@ -45,13 +45,8 @@ echo "== engine benchmark: SmolLM2, bfloat16, cuda (64 busy requests; one-at-a-t
 timeout 170 "$PYTHON" -m bench.engine --device cuda --dtype bfloat16 --requests 64 --sequential-every 8 \
   | tee "$OUT/engine.txt"
 
-echo "== end-to-end benchmark"
-if "$PYTHON" -m bench.e2e --help | grep -q -- "--device"; then
-  timeout 90 "$PYTHON" -m bench.e2e --device cuda | tee "$OUT/e2e.txt"
-else  # bench/e2e.py has no --device yet: the worker process follows LLMQ_DEVICE, its engine-alone run stays on CPU
-  echo "(bench/e2e.py takes no --device yet: running its --quick form, worker on cuda via LLMQ_DEVICE)"
-  LLMQ_DEVICE=cuda timeout 90 "$PYTHON" -m bench.e2e --quick | tee "$OUT/e2e.txt"
-fi
+echo "== end-to-end benchmark: client -> Redis -> one worker process on cuda, bfloat16"
+timeout 90 "$PYTHON" -m bench.e2e --device cuda --dtype bfloat16 | tee "$OUT/e2e.txt"
 
 echo "== JSON"
 tail -n 1 "$OUT/engine.txt"

@@ -1,12 +1,14 @@
 """The service end to end: client -> Redis -> one worker process -> Redis -> client, against the engine alone,
 and time to first token under Poisson arrivals against static batching of the same arrivals.
 
-    python -m bench.e2e [--quick] [--requests N] [--load 0.8]
+    python -m bench.e2e [--quick] [--requests N] [--load 0.8] [--device D --dtype T]
 
 Throughput uses the workload of `bench/engine.py`. The arrival rate is `--load` times the request rate the
 engine alone sustained on that workload, so the service is loaded but not swamped. Static batching serves
 the same arrivals as a server would with `model.generate`: whenever it is idle it takes every request that
 has arrived (up to 32) as one padded batch; a request's first token comes when its batch's first step ends.
+`--device` / `--dtype` place all three (the engine alone, the worker process, static batching) on the same device,
+as the worker's own `--device` / `--dtype` do (`bench/device.sh` runs it on CUDA in bfloat16).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +37,15 @@ from worker.engine import DEFAULT_MODEL, EngineConfig, LoadOptions, load_model
 STATIC_MAX_BATCH = 32
 
 
-def start_worker(url: str, model: str, config: EngineConfig, log: Path) -> subprocess.Popen[bytes]:
+def start_worker(
+    url: str, model: str, options: LoadOptions, config: EngineConfig, log: Path
+) -> subprocess.Popen[bytes]:
     flags = {
         "--redis-url": url,
         "--model": model,
+        "--device": options.device,
+        "--dtype": options.dtype,
+        "--model-cache-dir": options.cache_dir,
         "--kv-cache-tokens": config.kv_cache_tokens,
         "--page-size": config.page_size,
         "--max-batch-tokens": config.max_batch_tokens,
@@ -102,8 +110,8 @@ def static_ttfts(model: Any, tokenizer: Any, jobs: list[Job], arrivals: list[flo
         mask = torch.tensor([[0] * (width - len(j.prompt_ids)) + [1] * len(j.prompt_ids) for j in batch])
         with torch.no_grad():
             model.generate(
-                input_ids=ids,
-                attention_mask=mask,
+                input_ids=ids.to(model.device),
+                attention_mask=mask.to(model.device),
                 do_sample=False,
                 pad_token_id=pad,
                 streamer=first_step,
@@ -147,19 +155,25 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         model_spec = str(save_tiny_model(workdir / "model", "llama", max_positions=2048))
     else:
         model_spec = DEFAULT_MODEL
-    model, tokenizer = load_model(model_spec, LoadOptions(cache_dir=workdir / "cache") if args.quick else None)
+    options = LoadOptions(device=args.device, dtype=args.dtype)
+    if args.quick:
+        options = replace(options, cache_dir=workdir / "cache")
+    model, tokenizer = load_model(model_spec, options)
     model.generation_config.eos_token_id = None
     jobs = make_workload(model.config.vocab_size, args.requests, (16, 256), (16, 128))
     useful = sum(job.max_new_tokens for job in jobs)
     config = EngineConfig(kv_cache_tokens=16384, page_size=32, max_batch_tokens=512, max_running=args.requests)
-    print(f"model: {model_spec}; {len(jobs)} requests, {useful} useful tokens; torch threads {torch.get_num_threads()}")
+    print(
+        f"model: {model_spec} on {model.device} ({model.dtype}); {len(jobs)} requests, {useful} useful tokens; "
+        f"torch threads {torch.get_num_threads()}"
+    )
 
     engine_s, engine_out = await run_engine(model, tokenizer, jobs, config)
     print(f"engine alone        {engine_s:7.2f} s  {useful / engine_s:8.1f} tok/s")
 
     server = RedisServer(workdir / "redis").start()
     log = workdir / "worker.log"
-    worker = start_worker(server.url, model_spec, config, log)
+    worker = start_worker(server.url, model_spec, options, config, log)
     try:
         async with AsyncClient(server.url, max_queue_len=0) as client:
             await wait_for_worker(client, worker, log)
@@ -182,6 +196,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     static = static_ttfts(model, tokenizer, jobs, arrivals)
     figures = {
         "model": model_spec,
+        "device": str(model.device),
+        "dtype": str(model.dtype).removeprefix("torch."),
         "requests": len(jobs),
         "engine_tok_s": round(useful / engine_s, 2),
         "e2e_tok_s": round(useful / e2e_s, 2),
@@ -210,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny random model, finishes in under a minute")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--load", type=float, default=0.8, help="arrival rate as a fraction of the engine's")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     print_json(asyncio.run(main_async(args)))
