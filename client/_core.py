@@ -7,15 +7,18 @@ decides when to wait, retry or stop; `aio.py` and `sync.py` only perform the cal
 from __future__ import annotations
 
 import bisect
+import inspect
 import logging
 import math
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
+
+from redis.backoff import ExponentialBackoff
 
 from client.errors import Cancelled, InvalidRequest, LLMQError, MalformedEntry, QueueFull, ResultTimeout
 from client.protocol import (
@@ -46,6 +49,12 @@ log = logging.getLogger("llmq.client")
 DEFAULT_URL = "redis://localhost:6379/0"
 DEFAULT_MAX_CONNECTIONS = 4  # for all of a client's work: one reader, submits, cancels
 POOL_WAIT_S = 60.0  # how long a call waits for a free connection before it fails
+# A pooled connection that Redis closed (a restart, a failover, an idle timeout) fails the next command sent on
+# it. Each command is retried on a new connection, up to 3 times 0.1-0.25 s apart, so that a Redis which came
+# back serves it while one that is down still fails it within a second. Retrying is safe: submits are idempotent
+# by request id (the `SUBMIT` script's marker), the other writes are idempotent too, and reads are reads.
+RETRIES = 3
+RETRY_BACKOFF_S = (0.05, 0.25)  # base and cap of the exponential backoff
 
 
 def redact_url(url: str) -> str:
@@ -58,10 +67,15 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
-def connect_kwargs(url: str, ssl_ca_certs: str | None, redis_kwargs: dict[str, Any]) -> dict[str, Any]:
+def connect_kwargs(
+    url: str, ssl_ca_certs: str | None, redis_kwargs: dict[str, Any], retry_type: Callable[..., Any]
+) -> dict[str, Any]:
     """Keyword arguments for redis-py's `BlockingConnectionPool.from_url`: a small bounded pool whose callers
-    wait for a free connection; a CA file only makes sense with `rediss://`."""
-    kwargs = {"max_connections": DEFAULT_MAX_CONNECTIONS, "timeout": POOL_WAIT_S, **redis_kwargs}
+    wait for a free connection, each command retried on a lost connection (`retry_type`: redis-py's `Retry`, sync
+    or asyncio; a pool built this way has none otherwise); a CA file only makes sense with `rediss://`."""
+    base, cap = RETRY_BACKOFF_S
+    retry = retry_type(ExponentialBackoff(cap=cap, base=base), RETRIES)
+    kwargs = {"max_connections": DEFAULT_MAX_CONNECTIONS, "timeout": POOL_WAIT_S, "retry": retry, **redis_kwargs}
     if ssl_ca_certs is None:
         return kwargs
     if urlsplit(url).scheme != "rediss":
@@ -131,6 +145,19 @@ class Outcome:
     request_id: str | None
     result: Result | None = None
     error: LLMQError | None = None
+
+
+def submit_arguments_error(options: object, submit: Callable[..., Any]) -> InvalidRequest | None:
+    """Why `options` cannot be the keyword arguments of `submit` (not a mapping, or names it does not take), or
+    None. `submit_many` answers such a request with this error as its outcome and goes on with the others."""
+    if not isinstance(options, Mapping):
+        kind = type(options).__name__
+        return InvalidRequest(f"a request must be a mapping of submit's keyword arguments, not {kind}")
+    taken = inspect.signature(submit).parameters
+    unknown = [name for name in options if name not in taken]
+    if unknown:
+        return InvalidRequest(f"submit() takes no argument {', '.join(repr(name) for name in unknown)}")
+    return None
 
 
 QUEUE_FULL_BACKOFF_S = (0.05, 2.0)  # submit_many waits, doubling, while the queue is full

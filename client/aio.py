@@ -10,10 +10,21 @@ from types import TracebackType
 from typing import Any, Self
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from client._core import DEFAULT_URL, BaseClient, BaseJob, Delta, Outcome, Result, connect_kwargs, queue_full_delays
+from client._core import (
+    DEFAULT_URL,
+    BaseClient,
+    BaseJob,
+    Delta,
+    Outcome,
+    Result,
+    connect_kwargs,
+    queue_full_delays,
+    submit_arguments_error,
+)
 from client._mux import BLOCK_S, ENTRIES_PER_STREAM, WAKE_DELAY_S, Follower, MuxCore, max_block_ms
 from client.errors import LLMQError, QueueFull, ResultTimeout
 from client.protocol import DEFAULT_PREFIX, ChatMessage, Lane, RequestLimits
@@ -54,7 +65,8 @@ class AsyncClient(BaseClient):
     ) -> None:
         own = redis is None
         if redis is None:
-            pool = aioredis.BlockingConnectionPool.from_url(url, **connect_kwargs(url, ssl_ca_certs, redis_kwargs))
+            kwargs = connect_kwargs(url, ssl_ca_certs, redis_kwargs, AsyncRetry)
+            pool = aioredis.BlockingConnectionPool.from_url(url, **kwargs)
             redis = aioredis.Redis.from_pool(pool)
         conn = redis
         super().__init__(
@@ -187,6 +199,9 @@ class AsyncClient(BaseClient):
                 task.cancel()
 
     async def _one(self, index: int, options: Mapping[str, Any], timeout: float | None) -> Outcome:  # noqa: ASYNC109
+        refused = submit_arguments_error(options, self.submit)
+        if refused is not None:
+            return Outcome(index, None, error=refused)
         for delay in queue_full_delays():
             try:
                 job = await self.submit(**options)

@@ -48,6 +48,7 @@ _NO_OP: dict[str, tuple[Any, ...]] = {
 _MESSAGE_KEYS = {"role", "content"}
 # OpenAI's newer name for the system role; chat templates know "system".
 _ROLES = {"developer": "system"}
+_OPENAI_ROLES = ("system", "developer", "user", "assistant")  # "tool" and "function" need tools, which llmq lacks
 # `service_tier` -> llmq lane (`submit(priority=...)`).
 TIERS: dict[str, Lane] = {"auto": "default", "default": "default", "priority": "interactive", "flex": "batch"}
 
@@ -149,8 +150,8 @@ def _message(index: int, message: Any) -> dict[str, str]:
         if message[key] is not None:
             raise FieldError(f"{where}.{key}", "is not supported by llmq")
     role, content = message.get("role"), message.get("content")
-    if not isinstance(role, str):
-        raise FieldError(f"{where}.role", "must be a string")
+    if not isinstance(role, str) or role not in _OPENAI_ROLES:
+        raise FieldError(f"{where}.role", f"must be one of {', '.join(_OPENAI_ROLES)} (tools are not supported)")
     if isinstance(content, list):  # content parts: text only
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise FieldError(f"{where}.content", "only text content parts are supported")
@@ -219,9 +220,12 @@ def usage_body(usage: Usage) -> dict[str, int]:
     }
 
 
-def logprobs_body(url: str, logprobs: list[TokenLogprob] | None, text_offset: int = 0) -> dict[str, Any] | None:
+def logprobs_body(
+    url: str, logprobs: list[TokenLogprob] | None, text: str = "", text_offset: int = 0
+) -> dict[str, Any] | None:
     """Tokens' log-probabilities in OpenAI's shape: chat's `{"content": [...]}`, or completions' parallel lists
-    (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`, the latter counted from `text_offset`)."""
+    (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`: where each token starts in `text`, the text these
+    tokens produced, counted from `text_offset`)."""
     if logprobs is None:
         return None
     if url == CHAT:
@@ -233,16 +237,32 @@ def logprobs_body(url: str, logprobs: list[TokenLogprob] | None, text_offset: in
             for lp in logprobs
         ]
         return {"content": content, "refusal": None}
-    offsets = []
-    for lp in logprobs:
-        offsets.append(text_offset)
-        text_offset += len(lp.text)
     return {
         "tokens": [lp.text for lp in logprobs],
         "token_logprobs": [lp.logprob for lp in logprobs],
         "top_logprobs": [{text: value for _, value, text in lp.top} for lp in logprobs],
-        "text_offset": offsets,
+        "text_offset": [text_offset + offset for offset in token_offsets([lp.text for lp in logprobs], text)],
     }
+
+
+def token_offsets(tokens: list[str], text: str) -> list[int]:
+    """Where each token starts in `text`, the text they produced. A token's own decoding is not always its span:
+    part of a multi-byte character decodes alone to U+FFFD (one character for 2-4 bytes, spread over tokens), and
+    some tokenizers drop a token's leading space when decoding it alone. So a token holding U+FFFD starts where
+    the text stands and the next token is looked for a little further on (as far as the pending U+FFFD tokens'
+    length, plus one for a dropped space); a token not found there keeps the running count."""
+    offsets, position, slack = [], 0, 1
+    for token in tokens:
+        offsets.append(position)
+        if "\ufffd" in token:
+            slack += len(token)
+            continue
+        found = text.find(token, position, position + slack + len(token)) if token else -1
+        if found >= 0:
+            offsets[-1] = position = found
+        position += len(token)
+        slack = 1
+    return offsets
 
 
 def _token(text: str, logprob: float) -> dict[str, Any]:
@@ -266,7 +286,7 @@ def completion_body(
         kind = "chat.completion"
     else:
         choice["text"], kind = text, "text_completion"
-    choice["logprobs"] = logprobs_body(url, logprobs)
+    choice["logprobs"] = logprobs_body(url, logprobs, text)
     choice["finish_reason"] = FINISH_REASONS.get(finish_reason, "stop")
     return {
         "id": request_id,

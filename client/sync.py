@@ -19,8 +19,19 @@ from redis import BlockingConnectionPool, Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 
-from client._core import DEFAULT_URL, BaseClient, BaseJob, Delta, Outcome, Result, connect_kwargs, queue_full_delays
+from client._core import (
+    DEFAULT_URL,
+    BaseClient,
+    BaseJob,
+    Delta,
+    Outcome,
+    Result,
+    connect_kwargs,
+    queue_full_delays,
+    submit_arguments_error,
+)
 from client._mux import ENTRIES_PER_STREAM, WAKE_DELAY_S, Follower, MuxCore, max_block_ms
 from client.errors import LLMQError, QueueFull
 from client.protocol import DEFAULT_PREFIX, ChatMessage, Lane, RequestLimits
@@ -62,7 +73,7 @@ class Client(BaseClient):
         own = redis is None
         if redis is None:
             redis = Redis.from_pool(
-                BlockingConnectionPool.from_url(url, **connect_kwargs(url, ssl_ca_certs, redis_kwargs))
+                BlockingConnectionPool.from_url(url, **connect_kwargs(url, ssl_ca_certs, redis_kwargs, Retry))
             )
         conn = redis
         super().__init__(
@@ -193,6 +204,9 @@ class Client(BaseClient):
                     future.cancel()
 
     def _one(self, index: int, options: Mapping[str, Any], timeout: float | None) -> Outcome:
+        refused = submit_arguments_error(options, self.submit)
+        if refused is not None:
+            return Outcome(index, None, error=refused)
         for delay in queue_full_delays():
             try:
                 job = self.submit(**options)

@@ -78,7 +78,7 @@ async def _http_error(request: Request, error: Exception) -> Response:
     status = error.status_code if isinstance(error, HTTPException) else 500
     detail = error.detail if isinstance(error, HTTPException) else "Internal error."
     headers = dict(error.headers or {}) if isinstance(error, HTTPException) else None
-    code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(status, "internal" if status >= 500 else "invalid_request")
     return APIError(status, f"{request.method} {request.url.path}: {detail}", code=code, headers=headers).response()
 
 

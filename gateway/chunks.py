@@ -36,7 +36,7 @@ class ChunkMaker:
         """New text, with its tokens' log-probabilities when asked (completions count `text_offset` from
         `offset`, the text streamed before); a chat stream's first chunk also carries the assistant role."""
         text = delta.text if delta is not None else ""
-        logprobs = logprobs_body(self.url, delta.logprobs if delta is not None else None, offset)
+        logprobs = logprobs_body(self.url, delta.logprobs if delta is not None else None, text, offset)
         if self.url == CHAT:
             content: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
             return self._chunk([{"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": None}])

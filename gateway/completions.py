@@ -58,7 +58,7 @@ async def _complete(gateway: Gateway, request: Request, url: str, started: float
     body = await read_json(request, gateway.settings.max_body_bytes)
     asked = translate(body, url)
     if not asked.model:
-        raise APIError(400, "model is required", param="model")
+        raise APIError(400, "model is required", code="invalid_request", param="model")
     queue = await gateway.models.queue_of(asked.model)
     if queue is None:
         raise unknown_model(asked.model, sorted(await gateway.models.served()))
@@ -114,7 +114,8 @@ def request_timeout(header: str | None, default_s: float) -> float:
     except ValueError:
         seconds = math.nan
     if not (seconds > 0 and math.isfinite(seconds)):
-        raise APIError(400, f"{TIMEOUT_HEADER} must be a positive number of seconds", param=TIMEOUT_HEADER)
+        message = f"{TIMEOUT_HEADER} must be a positive number of seconds"
+        raise APIError(400, message, code="invalid_request", param=TIMEOUT_HEADER)
     return min(seconds, default_s)
 
 

@@ -35,8 +35,8 @@ class APIError(Exception):
         status: int,
         message: str,
         *,
+        code: str,  # every answer names one: clients branch on it, not on the message
         kind: str = "invalid_request_error",
-        code: str | None = None,
         param: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:

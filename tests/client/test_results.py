@@ -147,6 +147,19 @@ async def test_stream_resumes_after_the_connection_drops(
         assert "retrying" in caplog.text  # our own backoff did the reconnecting
 
 
+async def test_pooled_connections_closed_by_redis_are_replaced_without_failing_a_call(
+    twin: Twin, server: aioredis.Redis
+) -> None:
+    """A Redis restart (here: every client connection killed) leaves the pool holding closed connections; the
+    next calls on them are retried on new ones instead of failing (the gateway answered one 503 per restart)."""
+    await asyncio.gather(*(twin.status() for _ in range(6)))  # several pooled connections
+    await twin.submit()
+    assert await server.client_kill_filter(_type="normal", skipme=True) >= 1
+    for _ in range(6):
+        await twin.status()
+        await twin.submit()
+
+
 async def test_status_counts(twin: Twin, server: aioredis.Redis) -> None:
     empty = await twin.status()
     assert (empty.queue, empty.depth, empty.pending, empty.lag, empty.dead, empty.workers) == (

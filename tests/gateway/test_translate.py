@@ -17,7 +17,7 @@ from client.errors import (
     RequestFailed,
     ResultTimeout,
 )
-from client.openai_format import CHAT, COMPLETIONS, FieldError, lane_for, logprobs_body, translate
+from client.openai_format import CHAT, COMPLETIONS, FieldError, lane_for, logprobs_body, token_offsets, translate
 from gateway.auth import authorized
 from gateway.completions import request_timeout
 from gateway.errors import APIError, from_exception
@@ -84,13 +84,25 @@ def test_logprobs_in_openai_shapes() -> None:
             {"token": "Ho", "logprob": -1.5, "bytes": [72, 111]},
         ],
     }
-    assert logprobs_body(COMPLETIONS, logprobs, text_offset=3) == {
+    assert logprobs_body(COMPLETIONS, logprobs, "Hi!", text_offset=3) == {
         "tokens": ["Hi", "!"],
         "token_logprobs": [-0.5, -0.1],
         "top_logprobs": [{"Hi": -0.5, "Ho": -1.5}, {}],
         "text_offset": [3, 5],
     }
     assert logprobs_body(CHAT, None) is None
+
+
+def test_text_offsets_follow_the_text_across_partial_characters_and_dropped_spaces() -> None:
+    # "ò" comes as two tokens that each decode alone to U+FFFD; counting their decodings drifted by one
+    tokens = ["Hello", " R", "\ufffd", "\ufffd", "W", " text"]
+    text = "Hello RòW text"
+    offsets = token_offsets(tokens, text)
+    assert offsets == [0, 5, 7, 7, 8, 9]
+    assert all(text.startswith(t, o) for t, o in zip(tokens, offsets, strict=True) if "\ufffd" not in t)
+    assert token_offsets(["hello", "world"], " hello world") == [1, 7]  # a leading space dropped alone
+    assert token_offsets(["a", "\ufffd b", "c"], "aé bc") == [0, 1, 4]  # a character's tail, then more text
+    assert token_offsets(["x", "y"], "zz") == [0, 1]  # not found: the running count, as before
 
 
 def test_completions_prompt_forms_and_default_length() -> None:
@@ -126,6 +138,9 @@ def test_completions_prompt_forms_and_default_length() -> None:
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
         ({"messages": [{"role": "assistant", "content": None, "tool_calls": []}]}, "messages[0].tool_calls"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0].role"),
+        ({"messages": [{"role": 1, "content": "hi"}]}, "messages[0].role"),
     ],
 )
 def test_what_cannot_be_honoured_is_refused_by_name(body: dict[str, Any], field: str) -> None:
