@@ -10,6 +10,10 @@ Exactly once: a line's request id is derived from the input file's content and i
 (after Ctrl-C, `kill -9` of the CLI or a worker crash) skips the lines already in the output, re-attaches to
 the ones still running (submitting an id again only follows the first submission) and never generates a line
 twice. A line cut short by a kill is dropped from the output and redone.
+
+A line that cannot name itself (not JSON, no `custom_id`) or repeats an earlier line's `custom_id` is answered
+with an error line that also carries its `line` number (`custom_id` null when it has none): such lines are
+known by their number, the others by their `custom_id`, so neither can stand for the other on a rerun.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from client.errors import InvalidRequest, LLMQError
+from client.errors import Cancelled, InvalidRequest, LLMQError, ResultTimeout
 from client.openai_format import CHAT, COMPLETIONS, FieldError, completion_body, translate
 from client.protocol import Lane
 from client.sync import Client
@@ -35,11 +39,22 @@ class Line:
     """One input line: its `custom_id` and the keyword arguments of `submit`, or why it cannot run."""
 
     number: int
-    custom_id: str
+    custom_id: str | None  # None: the line has no usable one
     request_id: str
     url: str = CHAT
     options: dict[str, Any] = field(default_factory=dict)
     problem: str | None = None
+    repeats: int | None = None  # the earlier line whose custom_id this one repeats
+
+    @property
+    def by_number(self) -> bool:
+        """Known in the output by its line number: its custom_id is missing or belongs to an earlier line."""
+        return self.custom_id is None or self.repeats is not None
+
+    def repeating(self, earlier: int) -> Line:
+        problem = f"line {self.number}: custom_id {self.custom_id!r} is already line {earlier}'s"
+        request = line_request_id(self.request_id, self.number)
+        return Line(self.number, self.custom_id, request, problem=problem, repeats=earlier)
 
 
 def file_identity(path: Path) -> str:
@@ -55,10 +70,14 @@ def request_id(identity: str, custom_id: str) -> str:
     return f"batch-{identity}-{hashlib.sha256(custom_id.encode()).hexdigest()[:24]}"
 
 
+def line_request_id(base: str, number: int) -> str:
+    """The id of an answer known by its line number (never submitted): apart from every custom_id's."""
+    return f"{base}-line-{number}"
+
+
 def parse_line(number: int, text: str, identity: str) -> Line:
     """An input line as a request; anything wrong with it becomes the line's `problem`, never an exception."""
-    anonymous = f"line-{number}"
-    unnamed = Line(number, anonymous, request_id(identity, anonymous))
+    unnamed = Line(number, None, line_request_id(f"batch-{identity}", number))
     try:
         item = json.loads(text)
     except json.JSONDecodeError as error:
@@ -90,41 +109,62 @@ def _options(body: dict[str, Any], url: str) -> tuple[dict[str, Any], str | None
     return translated.options, None
 
 
+_CODES = ((InvalidRequest, "invalid_request"), (Cancelled, "cancelled"), (ResultTimeout, "timeout"))  # as the gateway
+
+
 def output_line(line: Line, model: str, result: Any = None, error: LLMQError | None = None) -> str:
-    """One output line in the OpenAI Batch format."""
+    """One output line in the OpenAI Batch format (plus `line` for a line known by its number)."""
     request = line.request_id
+    row: dict[str, Any] = {"id": f"batch_req_{request}", "custom_id": line.custom_id}
+    if line.by_number:
+        row["line"] = line.number
     if result is None:
         if error is None:  # the line itself is wrong
             failure = {"code": "invalid_request", "message": line.problem}
         else:
-            code = getattr(error, "code", "invalid_request" if isinstance(error, InvalidRequest) else "failed")
+            fallback = next((code for kind, code in _CODES if isinstance(error, kind)), "failed")
+            code = getattr(error, "code", fallback)
             failure = {"code": str(code), "message": str(error)}
-        return json.dumps(
-            {"id": f"batch_req_{request}", "custom_id": line.custom_id, "response": None, "error": failure}
-        )
+        return json.dumps({**row, "response": None, "error": failure})
     body = completion_body(
         line.url, request, model, int(time.time()), result.text, result.finish_reason, result.usage, result.logprobs
     )
-    response = {"status_code": 200, "request_id": request, "body": body}
-    return json.dumps({"id": f"batch_req_{request}", "custom_id": line.custom_id, "response": response, "error": None})
+    return json.dumps({**row, "response": {"status_code": 200, "request_id": request, "body": body}, "error": None})
 
 
-def finished_ids(output: Path) -> set[str]:
-    """`custom_id`s already in the output; a last line cut short by a kill is truncated away (it is redone)."""
+@dataclass
+class Written:
+    """What the output already holds: lines known by custom_id, lines known by number, and how many failed."""
+
+    custom_ids: set[str] = field(default_factory=set)
+    numbers: set[int] = field(default_factory=set)
+    failed: int = 0
+
+    def holds(self, line: Line) -> bool:
+        return line.number in self.numbers if line.by_number else line.custom_id in self.custom_ids
+
+
+def written(output: Path) -> Written:
+    """The output's lines so far; a last line cut short by a kill is truncated away (it is redone)."""
+    found = Written()
     if not output.exists():
-        return set()
+        return found
     with output.open("rb+") as stream:
         data = stream.read()
         keep = data.rfind(b"\n") + 1
         if keep != len(data):
             stream.truncate(keep)
-    done = set()
     for raw in data[:keep].splitlines():
         try:
-            done.add(json.loads(raw)["custom_id"])
-        except (ValueError, KeyError, TypeError):
+            row = json.loads(raw)
+            if isinstance(row.get("line"), int):
+                found.numbers.add(row["line"])
+            else:
+                found.custom_ids.add(row["custom_id"])
+        except (ValueError, KeyError, TypeError, AttributeError):
             continue
-    return done
+        found.failed += row.get("error") is not None
+    return found
 
 
 @dataclass
@@ -165,24 +205,26 @@ def run_batch(
     client: Client, source: Path, output: Path, *, window: int, timeout: float | None, priority: Lane = "batch"
 ) -> int:
     """Runs every line of `source` not yet in `output` in lane `priority` (a line's `service_tier` wins);
-    returns how many lines failed in this run."""
+    returns how many lines of the output failed, in this run or an earlier one."""
     identity = file_identity(source)
-    seen = finished_ids(output)  # custom_ids written (and, below, those running): each is one line, once
+    done = written(output)
     with source.open("rb") as stream:
         total = sum(1 for raw in stream if raw.strip())
-    progress = Progress(total, done=len(seen))
+    progress = Progress(total, done=len(done.custom_ids) + len(done.numbers), failed=done.failed)
     running: dict[int, Line] = {}  # by submit_many's index: only the lines in flight are held
     indexes = itertools.count()
 
     def requests(sink: TextIO) -> Iterator[dict[str, Any]]:
-        with source.open(encoding="utf-8", errors="replace") as stream:
+        first_lines: dict[str, int] = {}  # custom_id -> the line that owns it, the first with it in the file
+        with source.open(encoding="utf-8-sig", errors="replace") as stream:
             for number, text in enumerate(stream, 1):
                 if not text.strip():
                     continue
                 line = parse_line(number, text, identity)
-                if line.custom_id in seen:
-                    continue  # already written, or a duplicate custom_id (the first one is the line)
-                seen.add(line.custom_id)
+                if line.custom_id is not None and first_lines.setdefault(line.custom_id, number) != number:
+                    line = line.repeating(first_lines[line.custom_id])
+                if done.holds(line):
+                    continue
                 if line.problem is not None:
                     write(sink, output_line(line, client.queue))
                     progress.add(0, failed=True)

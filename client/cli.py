@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
         help="run a JSONL file of OpenAI Batch API requests; rerun the same command to resume",
         description="Runs each line of INPUT (OpenAI Batch API format: custom_id, method, url = "
         "/v1/chat/completions or /v1/completions, body) through the queue and appends one OpenAI Batch output "
-        "line per custom_id to OUTPUT, as lines complete. Resumable and exactly once: rerunning the same "
+        "line per input line to OUTPUT, as lines complete. Resumable and exactly once: rerunning the same "
         "command skips the lines already in OUTPUT and re-attaches to those still running.",
     )
     batch.add_argument("input", type=Path, metavar="INPUT.jsonl")
@@ -174,13 +174,24 @@ def _cancel(client: Client, args: argparse.Namespace) -> int:
 
 
 def _batch(client: Client, args: argparse.Namespace) -> int:
-    if not args.input.is_file():
-        print(f"llmq: error: no such input file: {args.input}", file=sys.stderr)
+    problem = _batch_paths_problem(args.input, args.output)
+    if problem is not None:
+        print(f"llmq: error: {problem}", file=sys.stderr)
         return 2
     failed = run_batch(
         client, args.input, args.output, window=args.window, timeout=args.timeout, priority=args.priority
     )
     return 1 if failed else 0
+
+
+def _batch_paths_problem(source: Path, output: Path) -> str | None:
+    if not source.is_file():
+        return f"no such input file: {source}"
+    if output.is_dir():
+        return f"the output {output} is a directory; name a file"
+    if output.exists() and output.samefile(source):
+        return f"the output {output} is the input file; name another file"
+    return None
 
 
 def _scrub(message: str, url: str) -> str:

@@ -243,6 +243,18 @@ def test_batch_refuses_a_missing_input(tmp_path: Path, redis_url: str, capsys: p
     assert code == 2 and "no such input file" in capsys.readouterr().err
 
 
+def test_batch_refuses_an_output_that_is_a_folder_or_the_input(
+    tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"custom_id": "a", "body": {"messages": [{"role": "user", "content": "x"}]}}\n')
+    assert main(["batch", str(source), "-o", str(tmp_path), "--url", redis_url]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert main(["batch", str(source), "-o", str(tmp_path / "." / "in.jsonl"), "--url", redis_url]) == 2
+    assert "is the input file" in capsys.readouterr().err
+    assert source.read_text().count("\n") == 1  # untouched
+
+
 async def test_batch_files_run_in_the_batch_lane_unless_a_line_names_a_tier(
     redis_url: str, server: aioredis.Redis, tmp_path: Path
 ) -> None:
