@@ -159,6 +159,9 @@ class Worker:
                     await self._start_all(await self.intake.read(free, steps, self.settings.read_block_ms))
             except RedisError as error:  # Redis unreachable: keep serving what is in flight, retry shortly
                 self.log.warning("reading the queue failed", error=redact(str(error)))
+                if "NOGROUP" in str(error):  # Redis came back without its data: nothing is read until the group is
+                    with contextlib.suppress(RedisError):
+                        await self.intake.ensure_group()
                 await asyncio.sleep(1.0)
 
     async def _claim(self, free: int) -> int:

@@ -45,6 +45,19 @@ async def test_requests_round_trip_and_leave_no_backlog(start_worker: Any, clien
         assert 0 < await redis.ttl(KEYS.result(jobs[0].id)) <= 3600
 
 
+async def test_a_worker_recreates_the_group_when_redis_comes_back_without_its_data(
+    start_worker: Any, client: AsyncClient, redis_url: str
+) -> None:
+    """Redis restarted empty (no persistence) drops the consumer group: the worker used to fail every read with
+    NOGROUP forever; it recreates the group and serves what is submitted next."""
+    await start_worker()
+    assert (await (await client.submit(input_ids=[3, 4], max_new_tokens=2)).result(timeout=30)).token_ids
+    async with Redis.from_url(redis_url) as redis:
+        await redis.flushall()
+    job = await client.submit(input_ids=[3, 4, 5], max_new_tokens=4, temperature=0)
+    assert (await job.result(timeout=30)).token_ids == expected_tokens([3, 4, 5], 4)
+
+
 async def test_stream_yields_deltas_that_add_up(start_worker: Any, client: AsyncClient) -> None:
     await start_worker()
     job = await client.submit(prompt="The quick brown fox 😀", max_new_tokens=20, temperature=0, ignore_eos=True)
