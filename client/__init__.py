@@ -16,6 +16,7 @@ from client._core import Delta, Outcome, Result, TokenLogprob
 from client.aio import AsyncClient, AsyncJob
 from client.errors import (
     Cancelled,
+    ClientClosed,
     InvalidRequest,
     LimitExceeded,
     LLMQError,
@@ -36,6 +37,7 @@ __all__ = [
     "AsyncJob",
     "Cancelled",
     "Client",
+    "ClientClosed",
     "Delta",
     "ErrorCode",
     "InvalidRequest",

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from redis.backoff import ExponentialBackoff
 
-from client.errors import Cancelled, InvalidRequest, LLMQError, MalformedEntry, QueueFull, ResultTimeout
+from client.errors import Cancelled, ClientClosed, InvalidRequest, LLMQError, MalformedEntry, QueueFull, ResultTimeout
 from client.protocol import (
     ENTRY_FIELD,
     LANES,
@@ -325,6 +325,7 @@ class BaseClient:
         self._redis = conn
         self._url = url
         self._owns_conn = owns_conn
+        self._closed = False
         self.queue = queue
         self.prefix = prefix
         self.max_queue_len = max_queue_len
@@ -337,6 +338,10 @@ class BaseClient:
     def __repr__(self) -> str:
         where = redact_url(self._url) if self._url else "<redis client>"
         return f"{type(self).__name__}({where!r}, queue={self.queue!r})"
+
+    def ensure_open(self) -> None:
+        if self._closed:
+            raise ClientClosed("this client is closed: make a new one (requests it submitted go on)")
 
     def keys_for(self, queue: str | None) -> Keys:
         return self.keys if queue is None or queue == self.queue else Keys(queue, self.prefix)

@@ -26,7 +26,7 @@ from client._core import (
     submit_arguments_error,
 )
 from client._mux import BLOCK_S, ENTRIES_PER_STREAM, WAKE_DELAY_S, Follower, MuxCore, max_block_ms
-from client.errors import LLMQError, QueueFull, ResultTimeout
+from client.errors import ClientClosed, LLMQError, QueueFull, ResultTimeout
 from client.protocol import DEFAULT_PREFIX, ChatMessage, Lane, RequestLimits
 from client.store import Keys, QueueStatus, queue_cancel_commands, queue_status_commands, status_from_replies
 
@@ -82,6 +82,8 @@ class AsyncClient(BaseClient):
         self._muxes: dict[str, AsyncResultMux] = {}
 
     async def aclose(self) -> None:
+        """Closes the connections; jobs still awaiting their results here raise `ClientClosed`."""
+        self._closed = True
         for mux in self._muxes.values():
             await mux.aclose()
         if self._owns_conn:
@@ -89,6 +91,7 @@ class AsyncClient(BaseClient):
 
     def _mux(self, keys: Keys) -> AsyncResultMux:
         """The result reader of a queue (its keys share one hash slot, so one XREAD reads them all)."""
+        self.ensure_open()
         mux = self._muxes.get(keys.tag)
         if mux is None:
             mux = self._muxes[keys.tag] = AsyncResultMux(self._redis, keys, self.client_id, self.socket_timeout)
@@ -141,6 +144,7 @@ class AsyncClient(BaseClient):
         `interactive` (served first, and may preempt lower lanes), `default` or `batch`. Raises `QueueFull`
         when the lane's backlog is at `max_queue_len`.
         """
+        self.ensure_open()
         keys = self.keys_for(queue)
         request = self.build_request(
             prompt,
@@ -222,6 +226,7 @@ class AsyncClient(BaseClient):
 
     async def status(self, *, queue: str | None = None, stale_after_s: float = 15.0) -> QueueStatus:
         """Backlog, pending and lag of the consumer group, dead letters, and workers seen in `stale_after_s`."""
+        self.ensure_open()
         keys = self.keys_for(queue)
         pipe = self._redis.pipeline(transaction=False)
         queue_status_commands(pipe, keys)
@@ -277,6 +282,7 @@ class AsyncJob(BaseJob):
 
     async def cancel(self) -> None:
         """Ask the workers to stop this request; the stream then ends with `finish_reason == "cancelled"`."""
+        self._client.ensure_open()
         pipe = self._client._redis.pipeline(transaction=True)
         queue_cancel_commands(pipe, self.keys, self.id, self._client.result_ttl)
         await pipe.execute()
@@ -339,11 +345,14 @@ class AsyncResultMux:
         self._core.unfollow(follower)
 
     async def aclose(self) -> None:
-        """Stops the reader. Bounded: redis-py may turn a cancelled blocking read into another error."""
+        """Stops the reader and tells the jobs still waiting. Bounded: redis-py may turn a cancelled blocking
+        read into another error."""
         self._closing = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.wait([self._task], timeout=BLOCK_S + 1)
+        for follower in self._core.followers():
+            follower.inbox.put_nowait(ClientClosed("the client was closed while this job awaited its result"))
 
     async def _wake(self) -> None:
         await asyncio.sleep(WAKE_DELAY_S)
@@ -352,8 +361,12 @@ class AsyncResultMux:
             await pipe.execute()
 
     async def _read_forever(self) -> None:
-        core = self._core
+        core, task = self._core, asyncio.current_task()
         while not self._closing:
+            # redis-py can swallow a cancellation that lands mid-read (or turn it into a connection error), and the
+            # loop would then wait on: asyncio.run() hung at exit for a client never closed
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError
             if core.idle:
                 self._followed.clear()
                 await self._followed.wait()

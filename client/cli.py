@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -18,6 +19,17 @@ from client.errors import Cancelled, LLMQError
 from client.protocol import DEFAULT_PREFIX, LANES, SamplingParams, ms_now
 from client.store import QueueStatus
 from client.sync import Client, Job
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (argparse type)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text!r}")
+    return seconds
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,14 +55,14 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--seed", type=int, default=None)
     submit.add_argument("--deadline", type=float, default=None, help="seconds from now")
     submit.add_argument("--priority", choices=LANES, default="default", help="lane (default: %(default)s)")
-    submit.add_argument("--timeout", type=float, default=None, help="seconds to wait for the result")
+    submit.add_argument("--timeout", type=_seconds, default=None, help="seconds to wait for the result")
     submit.add_argument("--no-stream", action="store_true", help="print the text once it is complete")
     submit.add_argument("--json", action="store_true", help="print the final result as one JSON object")
 
     status = commands.add_parser("status", parents=[common], help="queue depth, lag, dead letters, workers")
-    status.add_argument("--stale-after", type=float, default=15.0, help="seconds without heartbeat = gone")
+    status.add_argument("--stale-after", type=_seconds, default=15.0, help="seconds without heartbeat = gone")
     status.add_argument("--json", action="store_true", help="one JSON object, for scripts")
-    status.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS", help="refresh in place")
+    status.add_argument("--watch", type=_seconds, nargs="?", const=2.0, metavar="SECONDS", help="refresh in place")
 
     cancel = commands.add_parser("cancel", parents=[common], help="cancel a request by id")
     cancel.add_argument("request_id")
@@ -67,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     batch.add_argument("input", type=Path, metavar="INPUT.jsonl")
     batch.add_argument("-o", "--output", type=Path, required=True, metavar="OUTPUT.jsonl")
     batch.add_argument("--window", type=int, default=256, help="requests in flight at once (default: %(default)s)")
-    batch.add_argument("--timeout", type=float, default=None, help="seconds to wait for each result")
+    batch.add_argument("--timeout", type=_seconds, default=None, help="seconds to wait for each result")
     batch.add_argument(
         "--priority", choices=LANES, default="batch", help="lane, unless a line names a service_tier (%(default)s)"
     )
@@ -210,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llmq: error: {_scrub(str(exc), args.url)} ({redact_url(args.url)})", file=sys.stderr)
     except (LLMQError, ValueError, TypeError) as exc:
         print(f"llmq: error: {_scrub(str(exc), args.url)}", file=sys.stderr)
+    except BrokenPipeError:  # whoever read our output left (`| head`): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor fail again flushing at exit
     return 1
 
 

@@ -13,6 +13,7 @@ Our exception hierarchy:
   | + RequestExpired           - its deadline passed before a worker got to it.
   + Cancelled                  - it was cancelled; `.result` holds the partial output.
   + ResultTimeout              - (also a `TimeoutError`) no terminal event within the caller's timeout.
+  + ClientClosed               - the client was closed: no more calls; jobs still waiting stop waiting.
   + ProtocolError              - (also a `ValueError`) bytes or fields that break the wire protocol.
     + MalformedEntry           - not msgpack, not a map, or no usable `v`/`id`.
     + UnsupportedVersion       - `v` is not this client's `PROTOCOL_VERSION`.
@@ -74,6 +75,11 @@ class ResultTimeout(LLMQError, TimeoutError):
         self.request_id = request_id
         self.waited_s = waited_s
         self.tokens_seen = tokens_seen
+
+
+class ClientClosed(LLMQError):
+    """The client was closed: it submits nothing more, and jobs still awaiting their results through it stop
+    waiting with this error (the requests themselves go on; another client can `attach` to them)."""
 
 
 class ProtocolError(LLMQError, ValueError):

@@ -33,7 +33,7 @@ from client._core import (
     submit_arguments_error,
 )
 from client._mux import ENTRIES_PER_STREAM, WAKE_DELAY_S, Follower, MuxCore, max_block_ms
-from client.errors import LLMQError, QueueFull
+from client.errors import ClientClosed, LLMQError, QueueFull
 from client.protocol import DEFAULT_PREFIX, ChatMessage, Lane, RequestLimits
 from client.store import Keys, QueueStatus, queue_cancel_commands, queue_status_commands, status_from_replies
 
@@ -90,6 +90,8 @@ class Client(BaseClient):
         self._muxes_lock = threading.Lock()
 
     def close(self) -> None:
+        """Closes the connections; jobs still awaiting their results here (in any thread) raise `ClientClosed`."""
+        self._closed = True
         for mux in self._muxes.values():
             mux.close()
         if self._owns_conn:
@@ -97,6 +99,7 @@ class Client(BaseClient):
 
     def _mux(self, keys: Keys) -> ResultMux:
         """The result reader of a queue (its keys share one hash slot, so one XREAD reads them all)."""
+        self.ensure_open()
         with self._muxes_lock:
             mux = self._muxes.get(keys.tag)
             if mux is None:
@@ -150,6 +153,7 @@ class Client(BaseClient):
         `interactive` (served first, and may preempt lower lanes), `default` or `batch`. Raises `QueueFull`
         when the lane's backlog is at `max_queue_len`.
         """
+        self.ensure_open()
         keys = self.keys_for(queue)
         request = self.build_request(
             prompt,
@@ -226,6 +230,7 @@ class Client(BaseClient):
 
     def status(self, *, queue: str | None = None, stale_after_s: float = 15.0) -> QueueStatus:
         """Backlog, pending and lag of the consumer group, dead letters, and workers seen in `stale_after_s`."""
+        self.ensure_open()
         keys = self.keys_for(queue)
         pipe = self._redis.pipeline(transaction=False)
         queue_status_commands(pipe, keys)
@@ -277,6 +282,7 @@ class Job(BaseJob):
 
     def cancel(self) -> None:
         """Ask the workers to stop this request; the stream then ends with `finish_reason == "cancelled"`."""
+        self._client.ensure_open()
         pipe = self._client._redis.pipeline(transaction=True)
         queue_cancel_commands(pipe, self.keys, self.id, self._client.result_ttl)
         pipe.execute()
@@ -320,9 +326,12 @@ class ResultMux:
             self._core.unfollow(follower)
 
     def close(self) -> None:
+        """Stops the reader and tells the jobs still waiting, before the connections close under them."""
         with self._lock:
             self._closed = True
             self._followed.notify()
+            for follower in self._core.followers():
+                follower.inbox.put(ClientClosed("the client was closed while this job awaited its result"))
 
     def _read_forever(self) -> None:
         core = self._core
@@ -347,8 +356,9 @@ class ResultMux:
                 time.sleep(delay)
             except Exception as exc:  # the pool was closed under us, say: tell every reader, then stop
                 with self._lock:
-                    for follower in core.followers():
-                        follower.inbox.put(exc)
+                    if not self._closed:  # closed: the readers were told already
+                        for follower in core.followers():
+                            follower.inbox.put(exc)
                     self._thread = None
                 return
 
