@@ -7,6 +7,7 @@ decides when to wait, retry or stop; `aio.py` and `sync.py` only perform the cal
 from __future__ import annotations
 
 import bisect
+import functools
 import inspect
 import logging
 import math
@@ -148,16 +149,22 @@ class Outcome:
 
 
 def submit_arguments_error(options: object, submit: Callable[..., Any]) -> InvalidRequest | None:
-    """Why `options` cannot be the keyword arguments of `submit` (not a mapping, or names it does not take), or
-    None. `submit_many` answers such a request with this error as its outcome and goes on with the others."""
+    """Why `options` cannot be the keyword arguments of `submit` (a client class's method: not a mapping, or names
+    it does not take), or None. `submit_many` answers such a request with this error as its outcome and goes on."""
     if not isinstance(options, Mapping):
         kind = type(options).__name__
         return InvalidRequest(f"a request must be a mapping of submit's keyword arguments, not {kind}")
-    taken = inspect.signature(submit).parameters
+    taken = _keyword_names(submit)
     unknown = [name for name in options if name not in taken]
     if unknown:
         return InvalidRequest(f"submit() takes no argument {', '.join(repr(name) for name in unknown)}")
     return None
+
+
+@functools.cache
+def _keyword_names(method: Callable[..., Any]) -> frozenset[str]:
+    """A method's parameter names but `self`, read once per method instead of once per request."""
+    return frozenset(inspect.signature(method).parameters) - {"self"}
 
 
 QUEUE_FULL_BACKOFF_S = (0.05, 2.0)  # submit_many waits, doubling, while the queue is full

@@ -203,7 +203,7 @@ class AsyncClient(BaseClient):
                 task.cancel()
 
     async def _one(self, index: int, options: Mapping[str, Any], timeout: float | None) -> Outcome:  # noqa: ASYNC109
-        refused = submit_arguments_error(options, self.submit)
+        refused = submit_arguments_error(options, type(self).submit)
         if refused is not None:
             return Outcome(index, None, error=refused)
         for delay in queue_full_delays():

@@ -208,7 +208,7 @@ class Client(BaseClient):
                     future.cancel()
 
     def _one(self, index: int, options: Mapping[str, Any], timeout: float | None) -> Outcome:
-        refused = submit_arguments_error(options, self.submit)
+        refused = submit_arguments_error(options, type(self).submit)
         if refused is not None:
             return Outcome(index, None, error=refused)
         for delay in queue_full_delays():
