@@ -18,6 +18,9 @@ WORKDIR /app
 
 FROM base AS cpu
 ARG TORCH_INDEX_URL=""
+# A C compiler: the engine builds its CPU decode kernel for the machine it runs on, at first start
+# (worker/engine/cpu_kernels.py); without one it runs the slower pure-torch path.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch>=2.6"
 COPY pyproject.toml README.md ./
 COPY client client

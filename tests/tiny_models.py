@@ -7,7 +7,15 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -38,7 +46,8 @@ def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
 
 
 def save_tiny_model(folder: Path, arch: str = "llama", *, max_positions: int = 1024, seed: int = 0) -> Path:
-    """A 2-layer random model (`llama`, or `qwen2` with grouped-query attention) saved with its tokenizer."""
+    """A 2-layer random model (`llama`; `qwen2` with grouped-query attention and q/k/v biases; `mistral`, grouped,
+    full attention) saved with its tokenizer."""
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
     common = {
@@ -60,6 +69,8 @@ def save_tiny_model(folder: Path, arch: str = "llama", *, max_positions: int = 1
         model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=4, **common))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, **common))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(num_key_value_heads=2, sliding_window=None, **common))
     else:
         raise ValueError(arch)
     model.save_pretrained(folder)

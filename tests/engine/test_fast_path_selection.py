@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from worker.engine.fastpath import FastPaths, select
 
-ALL = FastPaths(varlen_attention=True, paged_reads=True)
-LIBRARY = FastPaths(varlen_attention=False, paged_reads=False)
+ALL = FastPaths(varlen_attention=True, paged_reads=True, lean_layers=True)
+NOT_LEAN = FastPaths(varlen_attention=True, paged_reads=True, lean_layers=False)
+LIBRARY = FastPaths(varlen_attention=False, paged_reads=False, lean_layers=False)
 
 
 def _config(kind: str, attention: str = "sdpa") -> object:
@@ -28,6 +29,8 @@ def _config(kind: str, attention: str = "sdpa") -> object:
         ),
         "mistral-sliding": lambda: MistralConfig(num_key_value_heads=2, sliding_window=16, **small),
         "gemma2": lambda: Gemma2Config(num_key_value_heads=2, head_dim=16, **small),
+        "llama-gelu": lambda: LlamaConfig(num_key_value_heads=4, hidden_act="gelu", **small),
+        "qwen3": lambda: Qwen3Config(num_key_value_heads=2, **small),  # q/k norms: not a Llama-family layer
     }
     config = configs[kind]()
     config._attn_implementation = attention
@@ -42,6 +45,8 @@ def _config(kind: str, attention: str = "sdpa") -> object:
         ("cpu", "qwen2-sliding", "sdpa", LIBRARY),
         ("cpu", "mistral-sliding", "sdpa", LIBRARY),
         ("cpu", "gemma2", "sdpa", LIBRARY),  # sliding layers and soft-capping
+        ("cpu", "llama-gelu", "sdpa", NOT_LEAN),
+        ("cpu", "qwen3", "sdpa", NOT_LEAN),
         ("cpu", "llama", "eager", LIBRARY),
         ("cuda", "llama", "sdpa", LIBRARY),
         ("cuda:0", "qwen2-gqa", "sdpa", LIBRARY),

@@ -14,7 +14,7 @@ from torch.nn import functional
 
 from tests.engine.conftest import load, reference_greedy
 from tests.engine.test_engine import collect, greedy, kill_engine_thread_once, mixed_prompts, tokens_of
-from worker.engine import paged_reads
+from worker.engine import cpu_kernels, paged_reads
 from worker.engine.attention import ATTENTION_NAME, paged_attention
 from worker.engine.paged_reads import PagedKV, plan_step, split_by_length
 from worker.engine.sampling import FusedSampler
@@ -33,10 +33,11 @@ def _reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_le
     return out.transpose(0, 1)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["kernel", "torch"])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (9, 3)], ids=["mha", "gqa", "gqa-smollm2"])
-def test_a_mixed_step_matches_per_request_attention(heads: int, kv_heads: int) -> None:
+def test_a_mixed_step_matches_per_request_attention(heads: int, kv_heads: int, native: bool) -> None:
     """Decode rows of very different lengths, a fresh prompt and a chunk after cached context, in one step, with the
-    requests' keys scattered over the cache as pages are."""
+    requests' keys scattered over the cache as pages are; decode rows by the native kernel or in padded groups."""
     rng = random.Random(heads)
     torch.manual_seed(heads)
     head_dim, cache_rows = 8, 4096
@@ -59,9 +60,15 @@ def test_a_mixed_step_matches_per_request_attention(heads: int, kv_heads: int) -
     new_keys = keys_cache[new_rows].transpose(0, 1).unsqueeze(0)
     new_values = values_cache[new_rows].transpose(0, 1).unsqueeze(0)
 
-    plan = plan_step(query_offsets, key_offsets, read_index, cost_rows=64)
-    assert len(plan.decode) >= 2, "rows of very different lengths go to separate calls"
-    assert sum(group.rows.numel() for group in plan.decode) == 7 and len(plan.prefill) == 2
+    kernel = cpu_kernels.load() if native else None
+    assert kernel is not None or not native
+    plan = plan_step(query_offsets, key_offsets, read_index, cost_rows=64, kernel=kernel)
+    if native:
+        assert plan.native is not None and plan.native.rows.query_rows.numel() == 7 and not plan.decode
+    else:
+        assert len(plan.decode) >= 2, "rows of very different lengths go to separate calls"
+        assert sum(group.rows.numel() for group in plan.decode) == 7
+    assert len(plan.prefill) == 2
     for _ in range(2):  # the second layer of a step reuses the group buffers
         got = paged_attention(query, new_keys, new_values, PagedKV(keys_cache, values_cache, plan), scaling=None)
     for index, (rows, (_, new)) in enumerate(zip(read, requests, strict=True)):
@@ -122,6 +129,7 @@ async def test_engine_on_cpu_runs_the_fast_paths(llama_dir: Path, make_engine: A
     assert engine.model.config._attn_implementation == ATTENTION_NAME
     assert getattr(manager.batch_processor.cache, "_llmq_paged_reads", False)
     assert isinstance(manager.batch_processor.model_runner.logit_processor, FusedSampler)
+    assert all("forward" in vars(layer) for layer in engine.model.model.layers), "lean layers"
     assert not paged_reads.install(manager.batch_processor.cache), "installing twice changes nothing"
 
 

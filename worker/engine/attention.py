@@ -73,6 +73,11 @@ def paged_attention(
     """A whole step from the paged cache; returns `[1, total_q, heads, head_dim]` like the per-request path."""
     heads, total_q, head_dim = query.shape[1], query.shape[2], query.shape[3]
     output = query.new_empty(1, total_q, heads, head_dim)
+    native = paged.plan.native
+    if native is not None:  # every decode row, read in place
+        rows_first = query[0].transpose(0, 1)
+        scale = head_dim**-0.5 if scaling is None else scaling
+        native.kernel(rows_first.contiguous(), paged.keys, paged.values, native.rows, scale, output[0])
     for group in paged.plan.decode:
         output[0].index_copy_(0, group.rows, decode_attention(query, group, paged, scaling))
     read_index = paged.plan.read_index

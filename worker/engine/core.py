@@ -28,7 +28,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 from transformers.generation.continuous_batching.requests import GenerationOutput
 
-from worker.engine import attention, fastpath, sampling, urgency
+from worker.engine import attention, fastpath, lean_layers, sampling, urgency
 from worker.engine.constraints import Grammars
 from worker.engine.errors import EngineClosed, EngineError, EngineFailed, RequestRejected
 from worker.engine.inputs import InputProcessor, ModelLimits
@@ -260,11 +260,14 @@ class Engine:
                 seed=sizing.seed,
             ),
         )
-        if fastpath.choose(self.model, self.config.varlen_attention).varlen_attention:
+        paths = fastpath.choose(self.model, self.config.varlen_attention)
+        if paths.varlen_attention:
             # Switched after the manager checked the implementation and before it builds its batch buffers,
             # so it builds no dense masks either; switched back before any new manager and on close.
             attention.register()
             self.model.set_attn_implementation(attention.ATTENTION_NAME)
+        if paths.lean_layers:
+            lean_layers.install(self.model)
         manager.warmup()  # allocates the paged cache now, so its real size is known before the first request
         # The fused sampler goes in wherever CUDA graphs are off (it declines otherwise): per-request seeds,
         # logprobs, penalties and response formats need it, on any device.
@@ -295,7 +298,8 @@ class Engine:
         manager.stop(block=True, timeout=self.config.stop_timeout_s, hard_stop=True)
 
     def _restore_attention(self) -> None:
-        """Gives the model back its SDPA attention, for the library's checks and for `model.generate`."""
+        """Gives the model back its SDPA attention and layers, for the library's checks and for `model.generate`."""
+        lean_layers.uninstall(self.model)
         if self.model.config._attn_implementation == attention.ATTENTION_NAME:
             self.model.set_attn_implementation("sdpa")
 

@@ -1,13 +1,15 @@
 """Which of our CPU fast paths the engine uses, decided in one place from the device and the model.
 
-Our per-request/batched attention (`attention.py`) and its paged cache reads (`paged_reads.py`) were measured to win
-on CPU, where the library falls back to dense masked SDPA. On CUDA the library's own paths are better and must stay
-untouched: flash / paged kernels with a block table, CUDA graphs, no host synchronisation per layer. So they are
-CPU-only, and attention also needs plain full attention. (The fused sampler, `sampling.py`, is not a choice made
-here: it carries the per-request features and installs itself wherever CUDA graphs are off.)
+Our per-request/batched attention (`attention.py`), its paged cache reads (`paged_reads.py`, with the native decode
+kernel of `cpu_kernels.py` where it builds) and the lean decoder layers (`lean_layers.py`) were measured to win on
+CPU, where the library falls back to dense masked SDPA and a step's op dispatch costs more than its matrix
+multiplies. On CUDA the library's own paths are better and must stay untouched: flash / paged kernels with a block
+table, CUDA graphs, no host synchronisation per layer. So they are CPU-only, attention also needs plain full
+attention, and lean layers a Llama-family layer. (The fused sampler, `sampling.py`, is not a choice made here: it
+carries the per-request features and installs itself wherever CUDA graphs are off.)
 
 Engine hook (`core.py`): `choose(model, config.varlen_attention)` before the manager's warmup (switch attention when
-`varlen_attention`), and `install_reads(manager)` after the warmup.
+`varlen_attention`, install lean layers when `lean_layers`), and `install_reads(manager)` after the warmup.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 import torch
 
-from worker.engine import paged_reads
+from worker.engine import cpu_kernels, lean_layers, paged_reads
 from worker.engine.attention import ATTENTION_NAME, supports_varlen_config
 
 
@@ -25,13 +27,15 @@ from worker.engine.attention import ATTENTION_NAME, supports_varlen_config
 class FastPaths:
     varlen_attention: bool  # our attention function instead of the library's dense masked SDPA
     paged_reads: bool  # attention reads the paged cache directly (needs our attention function)
+    lean_layers: bool  # our decoder-layer forward (needs our attention function and a Llama-family model)
 
 
 def select(device: str | torch.device, config: Any) -> FastPaths:
     """The paths for a model config on a device (`"cpu"`, `"cuda:0"`, ...). Pure: testable without the device."""
     on_cpu = torch.device(device).type == "cpu"
     varlen = on_cpu and supports_varlen_config(config)
-    return FastPaths(varlen_attention=varlen, paged_reads=varlen)
+    lean = varlen and lean_layers.supports_config(config)
+    return FastPaths(varlen_attention=varlen, paged_reads=varlen, lean_layers=lean)
 
 
 def choose(model: Any, varlen_attention: bool = True) -> FastPaths:
@@ -39,7 +43,7 @@ def choose(model: Any, varlen_attention: bool = True) -> FastPaths:
     paths = select(model.device, model.config)
     if varlen_attention:
         return paths
-    return FastPaths(varlen_attention=False, paged_reads=False)
+    return FastPaths(varlen_attention=False, paged_reads=False, lean_layers=False)
 
 
 def install_reads(manager: Any) -> bool:
@@ -48,4 +52,4 @@ def install_reads(manager: Any) -> bool:
     model = manager.model
     if model.config._attn_implementation != ATTENTION_NAME or torch.device(model.device).type != "cpu":
         return False
-    return paged_reads.install(manager.batch_processor.cache)
+    return paged_reads.install(manager.batch_processor.cache, cpu_kernels.load())

@@ -4,11 +4,13 @@ transformers' paged cache (5.24, index path) writes each layer's new K/V and the
 request's whole past into one concatenated tensor, which attention then slices again: a second full copy of the
 cache per layer and step, which was about a third of a 32-row decode step on CPU. `install(cache)` overrides that
 one cache's `update` (an instance attribute, nothing global): it writes the new K/V as the library does, skips the
-read-back, and hands attention the layer's cache view and a per-step `StepPlan`. Attention then copies each decode
-row's keys once, straight into the padded layout its single batched call reads (`attention.py`).
+read-back, and hands attention the layer's cache view and a per-step `StepPlan`. Attention then reads each decode
+row's keys in place with the native kernel (`cpu_kernels.py`), or, where it could not be built, copies them once
+into the padded layout of a few batched SDPA calls (`attention.py`).
 
-The plan is built once per step (the first layer) and shared by every layer: decode rows sorted by length and cut
-into a few padded groups (each group one gather and one attention call), prefill chunks kept per request.
+The plan is built once per step (the first layer) and shared by every layer: all decode rows for the kernel, or
+sorted by length and cut into a few padded groups (each one gather and one attention call); prefill chunks are kept
+per request.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 
 import torch
 from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
+
+from worker.engine.cpu_kernels import DecodeRows, PagedDecode
 
 PAGED_KV = "llmq_paged_kv"  # the attention kwarg that carries a `PagedKV`
 # What one more attention call costs, in padded key rows (one row = one key of one decode row): a call and its
@@ -51,13 +55,22 @@ class DecodeGroup:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class NativeDecode:
+    """Every decode row of a step, for one call of the native kernel."""
+
+    kernel: PagedDecode
+    rows: DecodeRows
+
+
 @dataclass(slots=True)
 class StepPlan:
-    """How one step's rows are attended: decode rows in groups, the other rows (prefill chunks) one by one."""
+    """How one step's rows are attended: decode rows natively or in groups, prefill chunks one by one."""
 
     decode: list[DecodeGroup]
     prefill: list[tuple[int, int, int, int]]  # (q_start, q_end, k_start, k_end) in the flat query and read index
     read_index: torch.Tensor  # cache rows of every request's keys, concatenated (the library's layout)
+    native: NativeDecode | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +83,14 @@ class PagedKV:
 
 
 def plan_step(
-    query_offsets: list[int], key_offsets: list[int], read_index: torch.Tensor, cost_rows: int = GROUP_COST_ROWS
+    query_offsets: list[int],
+    key_offsets: list[int],
+    read_index: torch.Tensor,
+    cost_rows: int = GROUP_COST_ROWS,
+    kernel: PagedDecode | None = None,
 ) -> StepPlan:
-    """Splits a step's requests into decode groups (one query row each) and prefill chunks."""
+    """Splits a step's requests into decode rows (one query row each: for `kernel`, else in groups) and prefill
+    chunks."""
     decode: list[tuple[int, int, int]] = []  # (key length, query position, key start)
     prefill = []
     for q_start, q_end, k_start, k_end in zip(
@@ -82,6 +100,14 @@ def plan_step(
             decode.append((k_end - k_start, q_start, k_start))
         elif q_end > q_start:
             prefill.append((q_start, q_end, k_start, k_end))
+    if kernel is not None:
+        native = None
+        if decode:
+            columns = zip(*decode, strict=True)
+            lengths, query_rows, starts = (torch.tensor(column, dtype=torch.int64) for column in columns)
+            index = read_index.to(torch.int64).contiguous()
+            native = NativeDecode(kernel, DecodeRows(query_rows, starts, lengths, index))
+        return StepPlan([], prefill, read_index, native)
     decode.sort()
     groups = [
         _group(decode[first:last], read_index) for first, last in split_by_length([d[0] for d in decode], cost_rows)
@@ -132,9 +158,10 @@ def supports_paged_reads(cache: Any) -> bool:
     return bool(allocators) and all(isinstance(a, FullAttentionCacheAllocator) for a in allocators)
 
 
-def install(cache: Any) -> bool:
-    """Makes this cache hand attention `PagedKV` instead of copied K/V on steps that read the cache. Returns False
-    (and changes nothing) where the layout is not plain full attention."""
+def install(cache: Any, kernel: PagedDecode | None = None) -> bool:
+    """Makes this cache hand attention `PagedKV` instead of copied K/V on steps that read the cache, its decode rows
+    planned for `kernel` where given. Returns False (and changes nothing) where the layout is not plain full
+    attention."""
     if not supports_paged_reads(cache) or getattr(cache, "_llmq_paged_reads", False):
         return False
     library_update = cache.update
@@ -147,8 +174,6 @@ def install(cache: Any) -> bool:
         read_indices = kwargs.get("read_index")
         if kwargs.get("block_table") is not None or not read_indices or read_indices[allocator.index].numel() == 0:
             return library_update(key_states, value_states, layer_idx, kwargs)  # no cache read: nothing to save
-        kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][allocator.layer_type].to(torch.int32)
-        kwargs["max_length_k"] = kwargs["max_length_k"][allocator.layer_type]
         keys, values = allocator._kv_token_views[layer_idx]
         write_index = kwargs["write_index"][allocator.index]
         keys.index_copy_(0, write_index, key_states[0].transpose(0, 1))
@@ -157,9 +182,12 @@ def install(cache: Any) -> bool:
             step["source"], step["plans"] = read_indices, {}
         plan = step["plans"].get(allocator.index)
         if plan is None:
+            key_offsets = kwargs["cu_seq_lens_k"][allocator.layer_type].tolist()
             plan = step["plans"][allocator.index] = plan_step(
-                kwargs["cu_seq_lens_q"].tolist(), kwargs["cu_seq_lens_k"].tolist(), read_indices[allocator.index]
+                kwargs["cu_seq_lens_q"].tolist(), key_offsets, read_indices[allocator.index], kernel=kernel
             )
+            if plan.native is not None and int(plan.native.rows.index.max()) >= keys.shape[0]:
+                raise IndexError("a read index points past the paged cache")  # the kernel does not bound-check
         kwargs[PAGED_KV] = PagedKV(keys, values, plan)
         return key_states, value_states  # only the new K/V; attention reads the past through PAGED_KV
 

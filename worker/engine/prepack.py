@@ -55,11 +55,18 @@ class PackedLinear(nn.Linear):
         weight = self.weight
         if not self.cpu_inference(x):
             return functional.linear(x, weight, self.bias)
+        bias = None if self.bias is None else self.bias.detach()
+        out = torch.ops.mkldnn._linear_pointwise(
+            x.reshape(-1, self.in_features), self.packed_weight(), bias, "none", [], ""
+        )
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def packed_weight(self) -> torch.Tensor:
+        """The oneDNN copy of the weight, packed on first use and again after the weight changes."""
+        weight = self.weight
         if self._packed is None or self._packed_version != weight._version:
             self._packed, self._packed_version = weight.detach().to_mkldnn(), weight._version
-        bias = None if self.bias is None else self.bias.detach()
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self._packed, bias, "none", [], "")
-        return out.view(*x.shape[:-1], self.out_features)
+        return self._packed
 
 
 def prepack(model: Any) -> int:

@@ -1,0 +1,120 @@
+"""The CPU engine's native kernel: decode attention straight from the paged cache (`paged_decode.c`).
+
+torch has no attention that reads keys through an index, so the pure-torch path copies every decode row's keys and
+values into a padded layout first (`paged_reads.DecodeGroup`), which cost as much as the attention itself. The C
+kernel reads them in place: measured here 1.5-2x faster than gather + SDPA for 32 decode rows, 2.5x for one.
+
+It is compiled on first use with the machine's C compiler (`cc`, or `$CC`) for this very CPU (`-march=native`) and
+cached under `~/.cache/llmq/kernels` (`$XDG_CACHE_HOME`), keyed by the source, the flags and the CPU, so a cache
+shared between different machines never hands one a binary for another. Where there is no compiler (or it fails),
+`load()` returns None once, logs why, and the engine keeps the pure-torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+_POINTER = ctypes.c_void_p
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRows:
+    """A step's decode rows for the kernel: row i attends query row `query_rows[i]` over the cache rows
+    `index[starts[i] : starts[i] + lengths[i]]` (all int64)."""
+
+    query_rows: torch.Tensor
+    starts: torch.Tensor
+    lengths: torch.Tensor
+    index: torch.Tensor
+
+
+class PagedDecode:
+    """The loaded kernel."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._function = library.llmq_paged_decode
+        self._function.restype = ctypes.c_int
+        self._function.argtypes = [_POINTER] * 7 + [ctypes.c_int64, *[ctypes.c_int] * 3, ctypes.c_float]
+        self._function.argtypes += [_POINTER, ctypes.c_int]
+
+    def __call__(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: DecodeRows, scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """`query`, `out`: `[tokens, heads, head_dim]`; `keys`, `values`: `[cache rows, kv_heads, head_dim]`; all
+        float32 and contiguous. Writes the decode rows of `out`, leaves its other rows alone."""
+        tensors = (query, keys, values, out)
+        if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+            raise ValueError("paged_decode takes contiguous float32 CPU tensors")
+        heads, kv_heads, head_dim = query.shape[1], keys.shape[1], keys.shape[2]
+        if heads % kv_heads or query.shape[2] != head_dim or out.shape != query.shape:
+            raise ValueError(f"paged_decode: query {tuple(query.shape)} does not fit keys {tuple(keys.shape)}")
+        status = self._function(
+            query.data_ptr(), keys.data_ptr(), values.data_ptr(), rows.index.data_ptr(), rows.starts.data_ptr(),
+            rows.lengths.data_ptr(), rows.query_rows.data_ptr(), rows.query_rows.numel(), heads, kv_heads, head_dim,
+            scale, out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("paged_decode could not allocate its score buffers")
+
+
+@functools.cache
+def load() -> PagedDecode | None:
+    """The kernel, built (once per machine) and loaded; None where it cannot be built here."""
+    try:
+        return PagedDecode(ctypes.CDLL(str(_built())))
+    except subprocess.CalledProcessError as error:
+        reason = f"{error}: {error.stderr.decode(errors='replace')[-800:]}"
+    except (OSError, subprocess.SubprocessError) as error:
+        reason = str(error)
+    log.warning("native paged-decode kernel unavailable, using the torch path: %s", reason)
+    return None
+
+
+def _built() -> Path:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler (cc, gcc or $CC) on PATH")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), _cpu_identity()]))
+    target = _cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as staging:
+            staged = Path(staging) / target.name
+            subprocess.run(
+                [compiler, *FLAGS, "-o", str(staged), str(SOURCE)], check=True, capture_output=True, timeout=120
+            )
+            os.replace(staged, target)  # atomic: processes building at once each install a whole file
+    return target
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "llmq" / "kernels"
+
+
+def _cpu_identity() -> bytes:
+    """What `-march=native` depends on: the CPU model and its feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor().encode() + platform.machine().encode()
+    wanted = [line for line in lines if line.startswith(("model name", "flags", "Features", "CPU part"))]
+    return "\n".join(sorted(set(wanted))).encode()

@@ -1,0 +1,149 @@
+"""Llama-family decoder layers for the CPU engine in half the tensor ops of the library's, with the same arithmetic.
+
+On CPU a lone request's decode step is bound by op dispatch, not by its matrix multiplies: the library's layer runs
+about 86 tensor ops and 13 module calls (views, no-op dtype round trips, `rotate_half`'s slices and `cat`, ...),
+which on SmolLM2's 30 layers took ~50 ms of a ~90 ms token where the matrix multiplies take ~38. The layer forward
+installed here computes the same thing in ~40 ops and no module calls:
+- RMSNorm as one `torch.rms_norm` (bitwise equal to the library's five-op version);
+- the pre-packed projections (`prepack.py`) called directly;
+- rotary embedding as `x * cos + roll(x) * signed_sin`, where `signed_sin` carries `rotate_half`'s minus sign
+  (the same products and sums, so the same bits), with `cos` / `signed_sin` made once per step for every layer;
+- SiLU, the gating product and both residual adds in place.
+It serves only the engine's continuous-batching steps (a `read_index` in the step's arguments) with our attention
+function; anything else (`generate`, training, another attention) runs the library's layer unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.nn import functional
+
+from worker.engine.attention import ATTENTION_NAME, varlen_sdpa_forward
+from worker.engine.prepack import PackedLinear
+
+# Decoder layers whose forward this reproduces (checked against the library's, bitwise, in tests), by model type.
+SUPPORTED_LAYERS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "qwen2": "Qwen2DecoderLayer"}
+_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+class RotaryTables:
+    """`cos` and `signed_sin` as `[tokens, 1, head_dim]`, made from a step's position embeddings once for all layers."""
+
+    __slots__ = ("_source", "cos", "signed_sin")
+
+    def __init__(self) -> None:
+        self._source: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.cos = self.signed_sin = torch.empty(0)
+
+    def update(self, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if position_embeddings is self._source:
+            return
+        cos, sin = position_embeddings  # [1, tokens, head_dim]
+        half = sin.shape[-1] // 2
+        self.cos = cos[0].unsqueeze(1)
+        self.signed_sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1).unsqueeze(1)
+        self._source = position_embeddings
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """`x * cos + rotate_half(x) * sin` for `[tokens, heads, head_dim]`, where `rotate_half(x)` is `roll(x)`
+        with its first half negated."""
+        rotated = torch.roll(x, x.shape[-1] // 2, dims=-1).mul_(self.signed_sin)
+        return (x * self.cos).add_(rotated)
+
+
+def supports_config(config: Any) -> bool:
+    """A model type whose layers this reproduces, with SiLU gating."""
+    config = config.get_text_config()
+    return config.model_type in SUPPORTED_LAYERS and config.hidden_act in ("silu", "swish")
+
+
+def supports(layer: Any) -> bool:
+    """A supported layer class with every projection pre-packed (`PackedLinear`, or its int8 kind) on the CPU."""
+    if type(layer).__name__ not in SUPPORTED_LAYERS.values():
+        return False
+    return all(isinstance(layer.get_submodule(name), PackedLinear) for name in (*_PROJECTIONS, *_MLP))
+
+
+def install(model: Any) -> bool:
+    """Gives every decoder layer of `model` the lean forward, where all are supported. True when installed."""
+    layers = list(getattr(model.get_decoder(), "layers", []))
+    if not supports_config(model.config) or not layers or not all(supports(layer) for layer in layers):
+        return False
+    rotary = RotaryTables()  # shared: the first layer of a step fills it for the others
+    for layer in layers:
+        if "forward" not in vars(layer):
+            layer.forward = _lean_forward(layer, type(layer).forward.__get__(layer), rotary)
+    return True
+
+
+def uninstall(model: Any) -> None:
+    for layer in getattr(model.get_decoder(), "layers", []):
+        vars(layer).pop("forward", None)
+
+
+def _lean_forward(layer: Any, library_forward: Any, rotary: RotaryTables) -> Any:
+    attn = layer.self_attn
+    q_proj, k_proj, v_proj, o_proj = (_projection(layer.get_submodule(name)) for name in _PROJECTIONS)
+    gate_proj, up_proj, down_proj = (_projection(layer.get_submodule(name)) for name in _MLP)
+    norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
+    hidden_size = norm_in.weight.shape[0]
+    head_dim = attn.head_dim
+
+    def forward(
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Any = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if (
+            "read_index" not in kwargs
+            or position_embeddings is None
+            or torch.is_grad_enabled()
+            or attn.config._attn_implementation != ATTENTION_NAME
+        ):
+            return library_forward(
+                hidden_states,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
+        rotary.update(position_embeddings)
+        residual = hidden_states[0]  # [tokens, hidden]
+        tokens = residual.shape[0]
+        x = torch.rms_norm(residual, (hidden_size,), norm_in.weight, norm_in.variance_epsilon)
+        query = rotary.apply(q_proj(x).view(tokens, -1, head_dim)).transpose(0, 1).unsqueeze(0)
+        key = rotary.apply(k_proj(x).view(tokens, -1, head_dim)).transpose(0, 1).unsqueeze(0)
+        value = v_proj(x).view(tokens, -1, head_dim).transpose(0, 1).unsqueeze(0)
+        kwargs.update(position_ids=position_ids, use_cache=use_cache)
+        if cache is not None:
+            key, value = cache.update(key, value, attn.layer_idx, kwargs=kwargs)
+        attended, _ = varlen_sdpa_forward(attn, query, key, value, attention_mask, scaling=attn.scaling, **kwargs)
+        hidden = o_proj(attended.view(tokens, -1)).add_(residual)
+        x = torch.rms_norm(hidden, (hidden_size,), norm_post.weight, norm_post.variance_epsilon)
+        gated = functional.silu(gate_proj(x), inplace=True).mul_(up_proj(x))
+        return down_proj(gated).add_(hidden).unsqueeze(0)
+
+    return forward
+
+
+def _projection(linear: PackedLinear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`linear` as a function of 2-D float32 rows: a float32 layer straight to the oneDNN kernel (no module call, no
+    reshapes); another kind (int8) through its own forward."""
+    if type(linear) is not PackedLinear:
+        return linear
+
+    def project(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, linear.packed_weight(), linear.bias, "none", [], "")
+
+    return project
+
