@@ -21,7 +21,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,12 +36,35 @@ _POINTER = ctypes.c_void_p
 @dataclass(frozen=True, slots=True)
 class DecodeRows:
     """A step's decode rows for the kernel: row i attends query row `query_rows[i]` over the cache rows
-    `index[starts[i] : starts[i] + lengths[i]]` (all int64)."""
+    `index[starts[i] : starts[i] + lengths[i]]`. 1-D int64 tensors (made contiguous), checked here once, so that a
+    call only compares their extremes with the step's tensors: the C code trusts every offset it is given."""
 
     query_rows: torch.Tensor
     starts: torch.Tensor
     lengths: torch.Tensor
     index: torch.Tensor
+    last_query_row: int = field(init=False, default=-1)
+    last_cache_row: int = field(init=False, default=-1)
+
+    def __post_init__(self) -> None:
+        for name in ("query_rows", "starts", "lengths", "index"):
+            tensor = getattr(self, name)
+            if tensor.dtype != torch.int64 or tensor.dim() != 1 or tensor.device.type != "cpu":
+                shape = tuple(tensor.shape)
+                raise ValueError(f"DecodeRows.{name} must be a 1-D int64 CPU tensor, not {tensor.dtype} {shape}")
+            object.__setattr__(self, name, tensor.contiguous())
+        count = self.query_rows.numel()
+        if self.starts.numel() != count or self.lengths.numel() != count:
+            raise ValueError("DecodeRows needs one start and one length per query row")
+        if count == 0:
+            return
+        ends = self.starts + self.lengths
+        if int(self.lengths.min()) < 1 or int(self.starts.min()) < 0 or int(ends.max()) > self.index.numel():
+            raise ValueError("DecodeRows spans must be non-empty and lie within the index")
+        if int(self.query_rows.min()) < 0 or int(self.index.min()) < 0:
+            raise ValueError("DecodeRows rows must not be negative")
+        object.__setattr__(self, "last_query_row", int(self.query_rows.max()))
+        object.__setattr__(self, "last_cache_row", int(self.index.max()))
 
 
 class PagedDecode:
@@ -57,14 +80,19 @@ class PagedDecode:
         self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: DecodeRows, scale: float,
         out: torch.Tensor,
     ) -> None:
-        """`query`, `out`: `[tokens, heads, head_dim]`; `keys`, `values`: `[cache rows, kv_heads, head_dim]`; all
-        float32 and contiguous. Writes the decode rows of `out`, leaves its other rows alone."""
+        """`query`, `out`: `[tokens, heads, head_dim]`; `keys`, `values`: `[cache rows, kv_heads, head_dim]` (the
+        library's per-layer views, whose row counts may differ); all float32 and contiguous. Writes the decode rows of
+        `out`, leaves its other rows alone."""
         tensors = (query, keys, values, out)
         if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
             raise ValueError("paged_decode takes contiguous float32 CPU tensors")
-        heads, kv_heads, head_dim = query.shape[1], keys.shape[1], keys.shape[2]
-        if heads % kv_heads or query.shape[2] != head_dim or out.shape != query.shape:
+        if query.dim() != 3 or keys.dim() != 3 or values.shape[1:] != keys.shape[1:] or out.shape != query.shape:
             raise ValueError(f"paged_decode: query {tuple(query.shape)} does not fit keys {tuple(keys.shape)}")
+        heads, kv_heads, head_dim = query.shape[1], keys.shape[1], keys.shape[2]
+        if heads % kv_heads or query.shape[2] != head_dim:
+            raise ValueError(f"paged_decode: query {tuple(query.shape)} does not fit keys {tuple(keys.shape)}")
+        if rows.last_query_row >= query.shape[0] or rows.last_cache_row >= min(keys.shape[0], values.shape[0]):
+            raise ValueError("paged_decode: DecodeRows point past the query or the cache")
         status = self._function(
             query.data_ptr(), keys.data_ptr(), values.data_ptr(), rows.index.data_ptr(), rows.starts.data_ptr(),
             rows.lengths.data_ptr(), rows.query_rows.data_ptr(), rows.query_rows.numel(), heads, kv_heads, head_dim,
