@@ -159,15 +159,6 @@ async def running_engine(model: Any, tokenizer: Any, **config: Any) -> AsyncIter
         await engine.close()
 
 
-def reference_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """`model.generate` on one prompt, no padding: greedy, stopping at EOS."""
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens, attention_mask=None
-        )
-    return out[0, len(prompt_ids) :].tolist()
-
-
 def reference_logprobs(model: Any, prompt_ids: list[int], generated: list[int]) -> torch.Tensor:
     """`[len(generated), vocab]`: log-softmax of the library's own logits at each generated position."""
     with torch.no_grad():

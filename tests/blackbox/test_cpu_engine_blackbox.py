@@ -19,13 +19,13 @@ from tests.blackbox.cpu_engine_support import (
     hostile_workload,
     load,
     make_step,
-    reference_greedy,
     reference_logprobs,
     run_kernel_child,
     running_engine,
     sdpa_row,
     tokens_of,
 )
+from tests.engine.conftest import reference_greedy
 from tests.polling import wait_until
 from tests.tiny_models import save_tiny_model
 from worker.engine import cpu_kernels
