@@ -133,7 +133,7 @@ async def _lone_against_matmul(engine: Engine, model: Any, prompt: list[int], ro
     pairs = []
     for _ in range(rounds):
         lone_ms = await _lone_decode_ms(engine, prompt)
-        pairs.append((lone_ms, _best_ms(bound.body, 1, repeats=5) + _best_ms(bound.head, 1, repeats=5)))
+        pairs.append((lone_ms, bound.time_ms(False, 1) + bound.time_ms(True, 1)))
     pairs.sort(key=lambda pair: pair[1] / pair[0])
     return pairs[len(pairs) // 2]
 
@@ -233,9 +233,12 @@ class MatmulBound:
 
     def _ms(self, head: bool, size: int) -> float:
         if (head, size) not in self._timed:
-            layers = self.head if head else self.body
-            self._timed[head, size] = _best_ms(layers, size, repeats=5 if size <= 64 else 2)
+            self._timed[head, size] = self.time_ms(head, size)
         return self._timed[head, size]
+
+    def time_ms(self, head: bool, size: int) -> float:
+        """The head's (or the body's) products at `size` rows, timed now (best of a few), not from the grid."""
+        return _best_ms(self.head if head else self.body, size, repeats=5 if size <= 64 else 2)
 
 
 def _best_ms(layers: list[torch.nn.Linear], rows: int, repeats: int) -> float:

@@ -141,5 +141,6 @@ async def test_a_restarted_engine_reads_the_paged_cache_again(llama_dir: Path, m
     await kill_engine_thread_once(engine, model)
     assert engine._manager is not None
     assert getattr(engine._manager.batch_processor.cache, "_llmq_paged_reads", False)
+    assert all("forward" in vars(layer) for layer in model.model.layers), "lean layers again"
     after = await collect(engine.submit(EngineRequest("after", input_ids=prompt, params=greedy(12))))
     assert tokens_of(after) == expected == reference_greedy(load(llama_dir)[0], prompt, 12)
