@@ -61,8 +61,8 @@ def _scattered_step(
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"),
-    [(4, 4, 16), (6, 2, 8), (9, 3, 64), (8, 2, 80), (2, 1, 7)],
-    ids=["mha", "gqa", "smollm2", "head-dim-80", "odd-head-dim"],
+    [(4, 4, 16), (6, 2, 8), (9, 3, 64), (8, 2, 80), (2, 1, 7), (8, 2, 128), (14, 2, 64), (5, 1, 300), (4, 4, 64)],
+    ids=["mha", "gqa", "smollm2", "head-dim-80", "odd-head-dim", "llama3", "qwen2-0.5b", "head-dim-300", "mha-64"],
 )
 def test_the_kernel_matches_sdpa_on_the_gathered_keys(
     kernel: PagedDecode, heads: int, kv_heads: int, head_dim: int

@@ -1,10 +1,10 @@
 /* Decode attention straight from the paged KV cache, for the CPU engine (loaded by `cpu_kernels.py`).
  *
  * One query row per request: every query head of a request reads the request's keys and values where they lie in
- * the cache (through its row index), with no copy into a padded layout. Two passes over the keys (scores, then the
- * weighted sum of values), each reading a cache row (all KV heads, contiguous) once for all query heads; requests
- * are shared out among the threads. Softmax in float32 with the maximum subtracted, as SDPA does. Measured on 2
- * cores: reading a cache row per KV head instead (strided, three times) was 1.7x slower on one thread.
+ * the cache (through its row index), with no copy into a padded layout. Two passes (scores over the keys, then the
+ * weighted sum of values), each per KV head: the query heads sharing it go in tiles whose queries and sums stay in
+ * registers, so each key and value is read once per tile; requests are shared out among the threads. Softmax in
+ * float32 with the maximum subtracted, as SDPA does.
  *
  * Built at first use with the machine's C compiler (-O3 -march=native -fopenmp); OpenMP resolves to the runtime
  * torch already loaded, so this shares torch's threads.
@@ -12,7 +12,6 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 /* e^x for x <= 0 (scores minus their maximum), written so the compiler vectorizes it: x = n ln2 + r with
  * |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error under 2e-7, about float32's epsilon),
@@ -36,26 +35,59 @@ static inline float exp_nonpositive(float x)
     return p * scale.value;
 }
 
-/* One request: all `heads` query heads over its keys, reading each cache row (every KV head) once per pass. */
-static void attend_request(const float *restrict query, const float *restrict keys, const float *restrict values,
-                           const int64_t *restrict cache_rows, int64_t length, int heads, int kv_heads, int head_dim,
-                           float scale, float *restrict scores, float *restrict out)
+/* Query heads handled together: they share a KV head, and their queries (scores) or sums (values) stay in registers
+ * while each of its keys or values is read once. */
+#define TILE 4
+
+/* scores[u * length + t] = scale * (query u . key t) for `n` query heads of one KV head (`keys` points at it). */
+static inline __attribute__((always_inline)) void tile_scores(const float *restrict query, const float *restrict keys,
+                                                              const int64_t *restrict cache_rows, int64_t length,
+                                                              int64_t cache_stride, float scale,
+                                                              float *restrict scores, const int n, const int head_dim)
 {
-    const int group = heads / kv_heads;
-    const int64_t cache_stride = (int64_t)kv_heads * head_dim;
     for (int64_t t = 0; t < length; t++) {
-        const float *restrict row = keys + cache_rows[t] * cache_stride;
-        for (int h = 0; h < heads; h++) {
-            const float *restrict q = query + (int64_t)h * head_dim;
-            const float *restrict key = row + (int64_t)(h / group) * head_dim;
+        const float *restrict key = keys + cache_rows[t] * cache_stride;
+        for (int u = 0; u < n; u++) {
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int j = 0; j < head_dim; j++)
-                dot += q[j] * key[j];
-            scores[h * length + t] = dot * scale;
+                dot += query[u * head_dim + j] * key[j];
+            scores[u * length + t] = dot * scale;
         }
     }
-    for (int h = 0; h < heads; h++) {
+}
+
+/* Columns [0, width) of out[u] (rows `head_dim` apart) = the sum over t of weights[u * length + t] * value t, for
+ * `n` query heads of one KV head. Sums live in a fixed array (registers, once unrolled), so `width` <= MAX_WIDTH. */
+#define MAX_WIDTH 256
+static inline __attribute__((always_inline)) void tile_values(const float *restrict values,
+                                                              const int64_t *restrict cache_rows, int64_t length,
+                                                              int64_t cache_stride, const float *restrict weights,
+                                                              float *restrict out, const int n, const int width,
+                                                              const int head_dim)
+{
+    float sums[TILE][MAX_WIDTH];
+    for (int u = 0; u < n; u++)
+        for (int j = 0; j < width; j++)
+            sums[u][j] = 0.0f;
+    for (int64_t t = 0; t < length; t++) {
+        const float *restrict value = values + cache_rows[t] * cache_stride;
+        for (int u = 0; u < n; u++) {
+            const float weight = weights[u * length + t];
+#pragma omp simd
+            for (int j = 0; j < width; j++)
+                sums[u][j] += weight * value[j];
+        }
+    }
+    for (int u = 0; u < n; u++)
+        for (int j = 0; j < width; j++)
+            out[u * head_dim + j] = sums[u][j];
+}
+
+/* Each of `rows` score rows of `length` becomes its softmax: float32, maximum subtracted first, as SDPA does. */
+static void softmax_rows(float *restrict scores, int64_t length, int rows)
+{
+    for (int h = 0; h < rows; h++) {
         float *restrict row = scores + h * length;
         float top = -INFINITY;
         for (int64_t t = 0; t < length; t++)
@@ -70,17 +102,64 @@ static void attend_request(const float *restrict query, const float *restrict ke
         for (int64_t t = 0; t < length; t++)
             row[t] *= inverse;
     }
-    memset(out, 0, sizeof(float) * heads * head_dim);
-    for (int64_t t = 0; t < length; t++) {
-        const float *restrict row = values + cache_rows[t] * cache_stride;
-        for (int h = 0; h < heads; h++) {
-            const float weight = scores[h * length + t];
-            const float *restrict value = row + (int64_t)(h / group) * head_dim;
-            float *restrict o = out + (int64_t)h * head_dim;
-#pragma omp simd
-            for (int j = 0; j < head_dim; j++)
-                o[j] += weight * value[j];
-        }
+}
+
+/* Calls TILE_CALL(N, D) with both as compile-time constants for the common head sizes (64, 128), so the compiler
+ * unrolls the tile and keeps it in registers (1.4x faster than one loop for any size, measured on SmolLM2's shapes);
+ * any other head size takes ANY_SIZE_CALL, the same code with run-time bounds. */
+#define TILE_CASES(D)                                                                                                  \
+    switch (n) {                                                                                                       \
+    case 1: TILE_CALL(1, D); break;                                                                                    \
+    case 2: TILE_CALL(2, D); break;                                                                                    \
+    case 3: TILE_CALL(3, D); break;                                                                                    \
+    default: TILE_CALL(4, D); break;                                                                                   \
+    }
+#define FOR_TILE                                                                                                       \
+    if (head_dim == 64) {                                                                                              \
+        TILE_CASES(64)                                                                                                 \
+    } else if (head_dim == 128) {                                                                                      \
+        TILE_CASES(128)                                                                                                \
+    } else {                                                                                                           \
+        ANY_SIZE_CALL;                                                                                                 \
+    }
+
+/* One request: for each KV head, its query heads in tiles of up to TILE, scored over the request's keys; a softmax
+ * per query head; then the same tiles over its values. */
+static void attend_request(const float *restrict query, const float *restrict keys, const float *restrict values,
+                           const int64_t *restrict cache_rows, int64_t length, int heads, int kv_heads, int head_dim,
+                           float scale, float *restrict scores, float *restrict out)
+{
+    const int group = heads / kv_heads;
+    const int64_t cache_stride = (int64_t)kv_heads * head_dim;
+    for (int first = 0; first < heads;) {
+        const int left_in_group = group - first % group; /* a tile never spans two KV heads */
+        const int n = left_in_group < TILE ? left_in_group : TILE;
+        const float *key_head = keys + (int64_t)(first / group) * head_dim;
+        const float *tile_query = query + (int64_t)first * head_dim;
+        float *tile_scores_row = scores + (int64_t)first * length;
+#define TILE_CALL(N, D) tile_scores(tile_query, key_head, cache_rows, length, cache_stride, scale, tile_scores_row, N, D)
+#define ANY_SIZE_CALL TILE_CALL(n, head_dim)
+        FOR_TILE
+#undef ANY_SIZE_CALL
+#undef TILE_CALL
+        first += n;
+    }
+    softmax_rows(scores, length, heads);
+    for (int first = 0; first < heads;) {
+        const int left_in_group = group - first % group;
+        const int n = left_in_group < TILE ? left_in_group : TILE;
+        const float *value_head = values + (int64_t)(first / group) * head_dim;
+        const float *weights = scores + (int64_t)first * length;
+        float *tile_out = out + (int64_t)first * head_dim;
+#define TILE_CALL(N, D) tile_values(value_head, cache_rows, length, cache_stride, weights, tile_out, N, D, D)
+#define ANY_SIZE_CALL                                                                                                  \
+    for (int column = 0; column < head_dim; column += MAX_WIDTH)                                                       \
+        tile_values(value_head + column, cache_rows, length, cache_stride, weights, tile_out + column, n,             \
+                    head_dim - column < MAX_WIDTH ? head_dim - column : MAX_WIDTH, head_dim)
+        FOR_TILE
+#undef ANY_SIZE_CALL
+#undef TILE_CALL
+        first += n;
     }
 }
 
