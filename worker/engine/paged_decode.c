@@ -123,6 +123,13 @@ static void softmax_rows(float *restrict scores, int64_t length, int rows)
         ANY_SIZE_CALL;                                                                                                 \
     }
 
+/* How many query heads from `first` on go in one tile: at most TILE, and never past the end of their KV head's group. */
+static inline int tile_heads(int first, int group)
+{
+    const int left_in_group = group - first % group;
+    return left_in_group < TILE ? left_in_group : TILE;
+}
+
 /* One request: for each KV head, its query heads in tiles of up to TILE, scored over the request's keys; a softmax
  * per query head; then the same tiles over its values. */
 static void attend_request(const float *restrict query, const float *restrict keys, const float *restrict values,
@@ -132,8 +139,7 @@ static void attend_request(const float *restrict query, const float *restrict ke
     const int group = heads / kv_heads;
     const int64_t cache_stride = (int64_t)kv_heads * head_dim;
     for (int first = 0; first < heads;) {
-        const int left_in_group = group - first % group; /* a tile never spans two KV heads */
-        const int n = left_in_group < TILE ? left_in_group : TILE;
+        const int n = tile_heads(first, group);
         const float *key_head = keys + (int64_t)(first / group) * head_dim;
         const float *tile_query = query + (int64_t)first * head_dim;
         float *tile_scores_row = scores + (int64_t)first * length;
@@ -146,8 +152,7 @@ static void attend_request(const float *restrict query, const float *restrict ke
     }
     softmax_rows(scores, length, heads);
     for (int first = 0; first < heads;) {
-        const int left_in_group = group - first % group;
-        const int n = left_in_group < TILE ? left_in_group : TILE;
+        const int n = tile_heads(first, group);
         const float *value_head = values + (int64_t)(first / group) * head_dim;
         const float *weights = scores + (int64_t)first * length;
         float *tile_out = out + (int64_t)first * head_dim;
