@@ -33,6 +33,7 @@ import asyncio
 import itertools
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +42,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from bench.workload import Job, load_bench_model, make_workload, peak_rss_mb, print_json
-from worker.engine import Engine, EngineConfig, EngineRequest, GenerationParams
+from worker.engine import Engine, EngineConfig, EngineRequest, GenerationParams, lean_layers
 from worker.engine.loader import DEFAULT_MODEL, LoadOptions, load_model
 from worker.engine.quantize import quantize_int8
 
@@ -210,16 +211,26 @@ def run_sequential(model: Any, jobs: list[Job]) -> tuple[float, list[list[int]]]
     return time.perf_counter() - start, outputs
 
 
+Product = tuple[Callable[[torch.Tensor], torch.Tensor], int]  # a matrix product and its input width
+
+
 class MatmulBound:
-    """Matrix-multiply time alone, with the model's own linear layers and weights: the body's layers at `tokens`
-    rows plus the output head at `rows` rows, timed on a grid of sizes (best of a few) and interpolated."""
+    """Matrix-multiply time alone, with the products a step of the engine runs on the model's own weights: the body's
+    at `tokens` rows (stacked q/k/v and gate/up where the engine's lean layers stack them, else every linear layer)
+    plus the output head at `rows` rows, timed on a grid of sizes (best of a few) and interpolated."""
 
     GRID = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048)
 
     def __init__(self, model: Any) -> None:
         head = model.get_output_embeddings()
-        self.head = [head]
-        self.body = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+        self.head: list[Product] = [(head, head.in_features)]
+        layers = list(getattr(model.get_decoder(), "layers", []))
+        if lean_layers.supports_config(model.config) and layers and all(map(lean_layers.supports, layers)):
+            self.body = [product for layer in layers for product in lean_layers.layer_products(layer)]
+        else:
+            linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+            self.body = [(linear, linear.in_features) for linear in linears]
+        self._weight = head.weight
         self._timed: dict[tuple[bool, int], float] = {}
 
     def step_ms(self, tokens: int, rows: int) -> float:
@@ -238,20 +249,21 @@ class MatmulBound:
 
     def time_ms(self, head: bool, size: int) -> float:
         """The head's (or the body's) products at `size` rows, timed now (best of a few), not from the grid."""
-        return _best_ms(self.head if head else self.body, size, repeats=5 if size <= 64 else 2)
+        return _best_ms(self.head if head else self.body, size, self._weight, repeats=5 if size <= 64 else 2)
 
 
-def _best_ms(layers: list[torch.nn.Linear], rows: int, repeats: int) -> float:
-    weight = layers[0].weight
-    inputs = [torch.randn(rows, layer.in_features, dtype=weight.dtype, device=weight.device) for layer in layers]
+def _best_ms(products: list[Product], rows: int, like: torch.Tensor, repeats: int) -> float:
+    """The best of `repeats` runs of every product on random `rows` of `like`'s dtype and device."""
+    device = like.device
+    inputs = [torch.randn(rows, width, dtype=like.dtype, device=device) for _, width in products]
     best = float("inf")
     with torch.no_grad():
-        for _ in range(repeats + 1):  # the first is a warm-up
-            _sync(weight.device)
+        for _ in range(repeats + 1):  # the first is a warm-up (and packs stacked weights)
+            _sync(device)
             start = time.perf_counter()
-            for layer, x in zip(layers, inputs, strict=True):
-                layer(x)
-            _sync(weight.device)
+            for (product, _), x in zip(products, inputs, strict=True):
+                product(x)
+            _sync(device)
             best = min(best, time.perf_counter() - start)
     return best * 1e3
 

@@ -13,6 +13,7 @@ from tests.engine.test_engine import collect, greedy, mixed_prompts, tokens_of
 from tests.tiny_models import save_tiny_model
 from worker.engine import lean_layers
 from worker.engine.loader import LoadOptions, load_model
+from worker.engine.prepack import StackedLinears
 from worker.engine.types import EngineRequest
 
 
@@ -83,3 +84,17 @@ async def test_int8_lean_layers_keep_their_int8_projections(
     float32 = await _one_at_a_time(await make_engine(llama_dir, *load(llama_dir)), workload)
     assert lean == library
     assert lean != float32, "the int8 weights were used"
+
+
+def test_lean_layers_stack_float32_projections_and_keep_int8_ones_apart(llama_dir: Path) -> None:
+    """q/k/v and gate/up run as one product each where the weights are float32; int8 layers keep their own kernel."""
+    model, _ = load(llama_dir)
+    int8_model, _ = load_model(str(llama_dir), LoadOptions(cache_dir=llama_dir / "cache", quantize="int8"))
+    products = lean_layers.layer_products(model.model.layers[0])
+    assert [type(product) for product, _ in products][::2] == [StackedLinears, StackedLinears]
+    assert not any(isinstance(p, StackedLinears) for p, _ in lean_layers.layer_products(int8_model.model.layers[0]))
+    x = torch.randn(5, model.config.hidden_size)
+    attention = model.model.layers[0].self_attn
+    with torch.no_grad():
+        separate = torch.cat([attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)], dim=-1)
+        assert torch.equal(products[0][0](x), separate)

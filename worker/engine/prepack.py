@@ -7,18 +7,47 @@ SmolLM2. The cost is memory: a second copy of every linear weight (the dense one
 other users, tied embeddings and `state_dict`; float32 SmolLM2: about 0.5 GB more).
 
 `prepack(model)` swaps each float32 `nn.Linear` for a `PackedLinear` that shares its parameters (tied weights stay
-tied). It packs again if the weight changes (`weight._version`), and falls back to `F.linear` for anything but
-float32 CPU inference (autograd, other dtypes or devices).
+tied). It packs again if the weight is changed in place or swapped for another (`DerivedWeights`), and falls back
+to `F.linear` for anything but float32 CPU inference (autograd, other dtypes or devices).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, Self, TypeVar
 
 import torch
 from torch import nn
 from torch.nn import functional
+
+Derived = TypeVar("Derived")
+
+
+class DerivedWeights(Generic[Derived]):
+    """What `derive` makes of some weights (a packed copy, an int8 one), made again when any of them is swapped for
+    another tensor or changed in place (`_version`). It holds the tensors it was made from, so a new parameter can
+    never pass for the old one by reusing its id. (A change through `.data` bypasses `_version`, as it does autograd;
+    such a change needs a fresh load.)"""
+
+    __slots__ = ("_derive", "_sources", "_value", "_versions")
+
+    def __init__(self, derive: Callable[..., Derived]) -> None:
+        self._derive = derive
+        self._sources: tuple[torch.Tensor, ...] = ()
+        self._versions: tuple[int, ...] = ()
+        self._value: Derived | None = None
+
+    @property
+    def made(self) -> bool:
+        return self._value is not None
+
+    def of(self, *weights: torch.Tensor) -> Derived:
+        versions = tuple(weight._version for weight in weights)
+        if self._value is None or versions != self._versions or any(map(operator.is_not, weights, self._sources)):
+            self._value = self._derive(*(weight.detach() for weight in weights))
+            self._sources, self._versions = weights, versions
+        return self._value
 
 
 def available() -> bool:
@@ -28,16 +57,15 @@ def available() -> bool:
 class PackedLinear(nn.Linear):
     """An `nn.Linear` (same parameters, same state dict) that multiplies with a oneDNN-packed copy of its weight."""
 
-    _packed: torch.Tensor | None
-    _packed_version: int
+    packed: DerivedWeights[torch.Tensor]
 
     @classmethod
-    def wrap(cls, linear: nn.Linear) -> PackedLinear:
+    def wrap(cls, linear: nn.Linear) -> Self:
         packed = cls.__new__(cls)
         nn.Module.__init__(packed)
         packed.in_features, packed.out_features = linear.in_features, linear.out_features
         packed.weight, packed.bias = linear.weight, linear.bias  # shared: tied weights stay tied
-        packed._packed, packed._packed_version = None, -1
+        packed.packed = DerivedWeights(_to_mkldnn)
         return packed
 
     def cpu_inference(self, x: torch.Tensor) -> bool:
@@ -63,10 +91,41 @@ class PackedLinear(nn.Linear):
 
     def packed_weight(self) -> torch.Tensor:
         """The oneDNN copy of the weight, packed on first use and again after the weight changes."""
-        weight = self.weight
-        if self._packed is None or self._packed_version != weight._version:
-            self._packed, self._packed_version = weight.detach().to_mkldnn(), weight._version
-        return self._packed
+        return self.packed.of(self.weight)
+
+
+class StackedLinears:
+    """Linear layers that read the same input, multiplied as one product: their weights (and biases) stacked and
+    pre-packed together, their outputs side by side in one `[rows, sum of out_features]` tensor.
+
+    A decode step's products are small, so a call's fixed cost and the thread split of a narrow output weigh: one
+    call for q/k/v and one for gate/up measured 1.1-1.5x faster than five on SmolLM2's shapes at 1-512 rows. Each
+    output column is the same dot product as in its own layer, bitwise (checked in tests). For float32 CPU
+    inference only (the caller's to know): packs on first use and again when any weight or bias changes."""
+
+    def __init__(self, linears: Sequence[PackedLinear]) -> None:
+        if not self.stackable(linears):
+            raise ValueError("StackedLinears takes pre-packed float32 layers of one input width, all biased or none")
+        self.linears = tuple(linears)
+        self._packed: DerivedWeights[torch.Tensor] = DerivedWeights(lambda *weights: _to_mkldnn(torch.cat(weights)))
+
+    @staticmethod
+    def stackable(linears: Sequence[nn.Module]) -> bool:
+        return (
+            len(linears) > 0
+            and all(type(linear) is PackedLinear for linear in linears)
+            and len({(linear.in_features, linear.bias is None) for linear in linears}) == 1
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """`x`: `[rows, in_features]` float32. The biases are read at each call, as a `PackedLinear` reads its own."""
+        weight = self._packed.of(*(linear.weight for linear in self.linears))
+        biases = [linear.bias.detach() for linear in self.linears if linear.bias is not None]
+        return torch.ops.mkldnn._linear_pointwise(x, weight, torch.cat(biases) if biases else None, "none", [], "")
+
+
+def _to_mkldnn(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to_mkldnn()
 
 
 def prepack(model: Any) -> int:

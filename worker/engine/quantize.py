@@ -21,12 +21,12 @@ large batches, tied weights and `state_dict`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import nn
 
-from worker.engine.prepack import PackedLinear, swap_float32_linears
+from worker.engine.prepack import DerivedWeights, PackedLinear, swap_float32_linears
 from worker.engine.prepack import available as prepack_available
 
 INT8_MAX_ROWS = 32  # up to here (decode steps) int8 is faster; beyond, pre-packed float32 is
@@ -40,19 +40,21 @@ def available() -> bool:
 class Int8Linear(PackedLinear):
     """A `PackedLinear` (same parameters, same state dict) that multiplies small float32 CPU batches in int8."""
 
-    _int8: torch.Tensor | None = None  # (out_features, in_features)
-    _scales: torch.Tensor | None = None  # bfloat16, one per output channel, exactly what the int8 weight is scaled by
-    _int8_version = -1
+    int8: DerivedWeights[tuple[torch.Tensor, torch.Tensor]]  # `quantize_weight`'s, made at the first int8 call
+
+    @classmethod
+    def wrap(cls, linear: nn.Linear) -> Self:
+        wrapped = super().wrap(linear)
+        wrapped.int8 = DerivedWeights(quantize_weight)
+        return wrapped
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if x.numel() > INT8_MAX_ROWS * self.in_features or not self.cpu_inference(x):
             return super().forward(x)  # pre-packed float32, or the plain fallback
-        if self._int8 is None or self._scales is None or self._int8_version != weight._version:
-            self._int8, self._scales = quantize_weight(weight.detach())
-            self._int8_version = weight._version
+        int8, scales = self.int8.of(weight)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16, memory_format=torch.contiguous_format)
-        out = torch.ops.aten._weight_int8pack_mm(rows, self._int8, self._scales)
+        out = torch.ops.aten._weight_int8pack_mm(rows, int8, scales)
         out = out.float() if self.bias is None else torch.add(self.bias.detach(), out)
         return out.view(*x.shape[:-1], self.out_features)
 
