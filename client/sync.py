@@ -5,7 +5,6 @@ Thread-safe as redis-py's client is: one `Client` may serve many threads.
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
@@ -317,9 +316,20 @@ class ResultMux:
         return follower
 
     def _wake(self) -> None:
-        with contextlib.suppress(RedisError), self._redis.pipeline(transaction=False) as pipe:
-            self._core.wake_commands(pipe)
-            pipe.execute()
+        """Ends the reader's blocking read, best effort. A client closed meanwhile needs no wake, and closing its
+        pool under a wake in flight makes redis-py fail in ways other than `RedisError`."""
+        with self._redis.pipeline(transaction=False) as pipe:
+            with self._lock:
+                if self._closed:
+                    return
+                self._core.wake_commands(pipe)
+            try:
+                pipe.execute()
+            except RedisError:
+                pass
+            except Exception:
+                if not self._closed:
+                    raise
 
     def unfollow(self, follower: Follower) -> None:
         with self._lock:

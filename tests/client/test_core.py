@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 
 import fakeredis
 import pytest
+import redis.client as redis_pipeline
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -41,6 +42,7 @@ from client.protocol import (
     encode,
 )
 from client.store import Keys
+from client.sync import ResultMux
 
 
 def chunk(seq: int, ids: list[int], text: str) -> TokensEvent:
@@ -391,3 +393,30 @@ def test_ssl_ca_certs_needs_rediss() -> None:
     tls = Client("rediss://:pw@localhost/0", ssl_ca_certs="/etc/ca.pem")
     assert tls._redis.connection_pool.connection_kwargs["ssl_ca_certs"] == "/etc/ca.pem"
     assert "pw" not in repr(tls) and "***" in repr(tls)
+
+
+def test_a_sync_wake_after_close_sends_nothing_and_a_pool_closed_under_it_is_no_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A wake is a timer that may fire after the client closed: it must send nothing then, and a wake in flight
+    when the pool closes under it (redis-py then fails with non-Redis errors) must not escape its thread."""
+    redis = fakeredis.FakeRedis()
+    keys = Keys("default")
+    wake_key = MuxCore(keys, "c1").wake_key
+    results = ResultMux(redis, keys, "c1", None)
+    results._wake()
+    assert redis.xlen(wake_key) == 1, "an open client's wake is sent"
+    results.close()
+    results._wake()
+    assert redis.xlen(wake_key) == 1, "a closed client's wake is not"
+
+    in_flight = ResultMux(redis, keys, "c2", None)
+
+    def pool_closed_under_it(self: object) -> None:
+        in_flight.close()
+        raise AttributeError("'NoneType' object has no attribute 'readline'")
+
+    monkeypatch.setattr(redis_pipeline.Pipeline, "execute", pool_closed_under_it)
+    in_flight._wake()  # no error: the client closed meanwhile
+    with pytest.raises(AttributeError):
+        ResultMux(redis, keys, "c3", None)._wake()  # not closed: a real fault is not hidden
