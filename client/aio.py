@@ -28,7 +28,7 @@ from client._core import (
 from client._mux import BLOCK_S, ENTRIES_PER_STREAM, WAKE_DELAY_S, Follower, MuxCore, max_block_ms
 from client.errors import ClientClosed, LLMQError, QueueFull, ResultTimeout
 from client.protocol import DEFAULT_PREFIX, ChatMessage, Lane, RequestLimits
-from client.store import Keys, QueueStatus, queue_cancel_commands, queue_status_commands, status_from_replies
+from client.store import Keys, QueueStatus, Scripts, queue_cancel_commands, queue_status_commands, status_from_replies
 
 _RECONNECTABLE = (RedisConnectionError, RedisTimeoutError)
 
@@ -64,11 +64,10 @@ class AsyncClient(BaseClient):
         **redis_kwargs: Any,
     ) -> None:
         own = redis is None
-        if redis is None:
-            kwargs = connect_kwargs(url, ssl_ca_certs, redis_kwargs, AsyncRetry)
-            pool = aioredis.BlockingConnectionPool.from_url(url, **kwargs)
-            redis = aioredis.Redis.from_pool(pool)
-        conn = redis
+        # where the client owns its pool: how to open another, for a client moved to another event loop
+        self._pool_args = (url, connect_kwargs(url, ssl_ca_certs, redis_kwargs, AsyncRetry)) if own else None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        conn = redis if self._pool_args is None else _open(*self._pool_args)
         super().__init__(
             conn,
             url=url if own else None,
@@ -83,11 +82,36 @@ class AsyncClient(BaseClient):
 
     async def aclose(self) -> None:
         """Closes the connections; jobs still awaiting their results here raise `ClientClosed`."""
+        self._follow_loop()  # a loop that has stopped cannot close its connections any more
         self._closed = True
         for mux in self._muxes.values():
             await mux.aclose()
         if self._owns_conn:
             await self._redis.aclose()
+
+    def ensure_open(self) -> None:
+        super().ensure_open()
+        self._follow_loop()
+
+    def _follow_loop(self) -> None:
+        """redis-py's asyncio connections belong to the event loop that opened them. A client used on a new loop
+        after its last one stopped (one `asyncio.run` after another) opens a new pool and result readers there;
+        the old loop's idle sockets are left to the garbage collector, as that loop can no longer close them. A
+        client in use on two running loops at once is refused: each loop needs its own client."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        previous = self._loop
+        if loop is previous:
+            return
+        if previous is not None and previous.is_running():
+            raise RuntimeError("this AsyncClient is in use on another running event loop: make one client per loop")
+        self._loop = loop
+        if previous is not None and self._pool_args is not None:
+            self._redis = _open(*self._pool_args)
+            self._scripts = Scripts.register(self._redis)
+            self._muxes = {}
 
     def _mux(self, keys: Keys) -> AsyncResultMux:
         """The result reader of a queue (its keys share one hash slot, so one XREAD reads them all)."""
@@ -316,6 +340,10 @@ class Inbox:
             finally:
                 self._waiter = None
         return self._items.pop(0)
+
+
+def _open(url: str, kwargs: dict[str, Any]) -> aioredis.Redis:
+    return aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(url, **kwargs))
 
 
 class AsyncResultMux:

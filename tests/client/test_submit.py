@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 
-from client import QueueFull, protocol, store
+from client import AsyncClient, QueueFull, protocol, store
 from tests.client.twins import KEYS, Twin, TwinFactory
 
 pytestmark = pytest.mark.redis
@@ -78,3 +80,35 @@ async def test_concurrent_submits_respect_the_limit_exactly(make_twin: TwinFacto
 async def test_concurrent_duplicates_are_added_once(twin: Twin, server: aioredis.Redis) -> None:
     await asyncio.gather(*(twin.submit(request_id="dup") for _ in range(20)))
     assert await server.xlen(KEYS.requests) == 1
+
+
+def test_an_async_client_moves_to_a_new_loop_but_refuses_two_running_at_once(redis_url: str) -> None:
+    """redis-py's asyncio connections belong to their loop: a client used by one `asyncio.run` after another
+    opens a new pool (the first run leaves an idle connection bound to its closed loop); a client in use on two
+    running loops at once gets a clear error instead of connections shared across loops."""
+    keys = store.Keys("loop-moves")
+    client = AsyncClient(redis_url, queue=keys.queue)
+    holding, release = threading.Event(), threading.Event()
+
+    async def submit(request_id: str) -> str:
+        return (await client.submit("hi", max_new_tokens=1, request_id=request_id)).id
+
+    async def submit_and_hold() -> None:
+        await submit("c")
+        holding.set()
+        await asyncio.get_running_loop().run_in_executor(None, release.wait, 30)
+
+    assert asyncio.run(submit("a")) == "a"
+    assert asyncio.run(submit("b")) == "b", "a new loop after the first one closed"
+    other = threading.Thread(target=asyncio.run, args=(submit_and_hold(),))
+    other.start()
+    try:
+        assert holding.wait(30)
+        with pytest.raises(RuntimeError, match="one client per loop"):
+            asyncio.run(submit("d"))
+    finally:
+        release.set()
+        other.join(30)
+    asyncio.run(client.aclose())
+    with redis.Redis.from_url(redis_url) as server:
+        assert [f[protocol.ENTRY_FIELD] is not None for _, f in server.xrange(keys.requests)] == [True] * 3
