@@ -65,7 +65,7 @@ class PackedLinear(nn.Linear):
         nn.Module.__init__(packed)
         packed.in_features, packed.out_features = linear.in_features, linear.out_features
         packed.weight, packed.bias = linear.weight, linear.bias  # shared: tied weights stay tied
-        packed.packed = DerivedWeights(_to_mkldnn)
+        packed.packed = DerivedWeights(torch.Tensor.to_mkldnn)
         return packed
 
     def cpu_inference(self, x: torch.Tensor) -> bool:
@@ -101,13 +101,14 @@ class StackedLinears:
     A decode step's products are small, so a call's fixed cost and the thread split of a narrow output weigh: one
     call for q/k/v and one for gate/up measured 1.1-1.5x faster than five on SmolLM2's shapes at 1-512 rows. Each
     output column is the same dot product as in its own layer, bitwise (checked in tests). For float32 CPU
-    inference only (the caller's to know): packs on first use and again when any weight or bias changes."""
+    inference only (the caller's to know): packs on first use and again when any weight changes; the biases are
+    read at each call."""
 
     def __init__(self, linears: Sequence[PackedLinear]) -> None:
         if not self.stackable(linears):
             raise ValueError("StackedLinears takes pre-packed float32 layers of one input width, all biased or none")
         self.linears = tuple(linears)
-        self._packed: DerivedWeights[torch.Tensor] = DerivedWeights(lambda *weights: _to_mkldnn(torch.cat(weights)))
+        self._packed: DerivedWeights[torch.Tensor] = DerivedWeights(lambda *weights: torch.cat(weights).to_mkldnn())
 
     @staticmethod
     def stackable(linears: Sequence[nn.Module]) -> bool:
@@ -118,14 +119,10 @@ class StackedLinears:
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """`x`: `[rows, in_features]` float32. The biases are read at each call, as a `PackedLinear` reads its own."""
+        """`x`: `[rows, in_features]` float32. Biases as a `PackedLinear` reads its own: at each call."""
         weight = self._packed.of(*(linear.weight for linear in self.linears))
         biases = [linear.bias.detach() for linear in self.linears if linear.bias is not None]
         return torch.ops.mkldnn._linear_pointwise(x, weight, torch.cat(biases) if biases else None, "none", [], "")
-
-
-def _to_mkldnn(weight: torch.Tensor) -> torch.Tensor:
-    return weight.to_mkldnn()
 
 
 def prepack(model: Any) -> int:
