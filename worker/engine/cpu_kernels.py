@@ -77,7 +77,12 @@ class PagedDecode:
         self._function.argtypes += [_POINTER, ctypes.c_int]
 
     def __call__(
-        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: DecodeRows, scale: float,
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        rows: DecodeRows,
+        scale: float,
         out: torch.Tensor,
     ) -> None:
         """`query`, `out`: `[tokens, heads, head_dim]`; `keys`, `values`: `[cache rows, kv_heads, head_dim]` (the
@@ -89,7 +94,7 @@ class PagedDecode:
         if query.dim() != 3 or keys.dim() != 3 or values.shape[1:] != keys.shape[1:] or out.shape != query.shape:
             raise ValueError(f"paged_decode: query {tuple(query.shape)} does not fit keys {tuple(keys.shape)}")
         heads, kv_heads, head_dim = query.shape[1], keys.shape[1], keys.shape[2]
-        if heads % kv_heads or query.shape[2] != head_dim:
+        if min(heads, kv_heads, head_dim) < 1 or heads % kv_heads or query.shape[2] != head_dim:
             raise ValueError(f"paged_decode: query {tuple(query.shape)} does not fit keys {tuple(keys.shape)}")
         if rows.last_query_row >= query.shape[0] or rows.last_cache_row >= min(keys.shape[0], values.shape[0]):
             raise ValueError("paged_decode: DecodeRows point past the query or the cache")
