@@ -1,9 +1,12 @@
 """Where a decode step's time goes: torch.profiler over 20 steps of a 32-row decode in the engine.
 
-    python -m bench.step_profile [--quick] [--rows 32] [--steps 20] [--prompt 200] [--no-prepack] [--no-paged-reads]
+    python -m bench.step_profile [--quick] [--rows 32] [--steps 20] [--prompt 200] [--no-prepack]
+                                 [--kernel-source FILE]
 
 Requests with prompts of `--prompt` tokens (plus 4 per request, so lengths differ) are started together; once every
 row decodes, the profiler runs in the engine's thread for `--steps` steps. Self CPU time is summed by op family.
+`--kernel-source` builds the native decode kernel from another file, to compare two versions on one machine, e.g.
+`git show REV:worker/engine/paged_decode.c > /tmp/old.c`, then a run with `--kernel-source /tmp/old.c` and one without.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import asyncio
 import random
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -135,7 +139,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompt", type=int, default=200)
     parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights")
+    parser.add_argument("--kernel-source", type=Path, help="build the decode kernel from this paged_decode.c")
     args = parser.parse_args(argv)
+    if args.kernel_source is not None:
+        cpu_kernels.SOURCE = args.kernel_source.resolve(strict=True)
     _record_kernel_calls()
     if args.quick:
         model, tokenizer, _ = load_bench_model(True)

@@ -5,8 +5,8 @@
  * weighted sum of values), each per KV head: the query heads sharing it go in tiles whose queries and sums stay in
  * registers, so each key and value is read once per tile; requests are shared out among the threads. Softmax in
  * float32 with the maximum subtracted, as SDPA does. With AVX-512 and a head size that is a multiple of 16, the
- * scores go 16 keys at a time instead (`scores_blocked`). On SmolLM2's shapes (16 rows of ~260 keys, timed between
- * each layer's matrix products as in a step) the blocked scores and the prefetching made the kernel 1.9x faster.
+ * scores go 16 keys at a time instead (`scores_blocked`). With the prefetching below, that took a 32-row SmolLM2
+ * decode step's attention from ~49 to ~28 ms (`python -m bench.step_profile --kernel-source`, README).
  *
  * Built at first use with the machine's C compiler (-O3 -march=native -fopenmp); OpenMP resolves to the runtime
  * torch already loaded, so this shares torch's threads.
@@ -41,8 +41,8 @@ static inline float exp_nonpositive(float x)
 }
 
 /* Keys and values are read a row at a time through the index, in pages the hardware prefetcher does not follow from
- * one to the next: each pass asks for the rows it reads PREFETCH_AHEAD keys later (10-15 % off the kernel in a step,
- * where the matrix products have just pushed the cache out of the CPU's caches). */
+ * one to the next: each pass asks for the rows it reads PREFETCH_AHEAD keys later (10-15 % less kernel time in a
+ * step, whose matrix products have just pushed the cache rows out of the CPU's caches). */
 #define PREFETCH_AHEAD 16
 static inline void prefetch_row(const float *row, int64_t floats)
 {
