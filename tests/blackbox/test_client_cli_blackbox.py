@@ -539,7 +539,10 @@ def test_cli_empty_prompt_and_odd_prompts(fleet: Fleet) -> None:
     for prompt in ["--", "-x looks like a flag", "emoji 😀 and\nnewline", "日本語"]:
         ran = cli("submit", "--url", fleet.url, "--max-new-tokens", "3", "--json", "--", prompt)
         assert ran.returncode == 0, (prompt, ran.stderr)
-        assert json.loads(ran.stdout)["usage"]["completion_tokens"] == 3
+        answer = json.loads(ran.stdout)
+        # The CLI samples (its default temperature, no seed), so the tiny model may draw EOS before the limit.
+        ended = (answer["finish_reason"], answer["usage"]["completion_tokens"])
+        assert ended == ("length", 3) or (ended[0] == "stop" and 1 <= ended[1] <= 3), (prompt, ended)
 
 
 def test_cli_timeout_then_cancel_by_id(fleet: Fleet) -> None:
