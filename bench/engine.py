@@ -14,7 +14,9 @@ outputs are compared on that subset. `--all-at-once`: the old workload (32 reque
 
 Useful tokens/s counts only the tokens each request asked for. `limit_fraction`: the time the engine's own steps
 would take if each cost only its matrix multiplies (every step's token and logits-row counts are recorded; the
-model's linear layers are timed on those shapes right after the engine's run), over the engine's time.
+model's linear layers are timed on those shapes right after the engine's run), over the engine's time; the same
+ratio over the decode-only steps alone (`decode_limit_fraction`) and over the steps that ran a prompt chunk
+(`prefill_limit_fraction`), with the decode-only steps' share of the step time (`decode_time_share`).
 `b1_fraction`: one row's matrix multiplies over a lone request's decode ms/token on the idle engine, the two
 measured back to back in three rounds (the median ratio), since a shared machine's speed drifts over minutes.
 Linear layers run as the loader prepares them (pre-packed on float32 CPU) in every way, so the ratios compare the
@@ -93,20 +95,30 @@ class EngineProbe:
     mean_decode_rows: float = 0.0
     lone_decode_ms: float = 0.0
     one_row_ms: float = 0.0
-    steps: list[tuple[int, int]] = field(default_factory=list)  # (tokens, logits rows) of every workload step
+    steps: list[StepRecord] = field(default_factory=list)  # every workload step, in order
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One engine step of the workload: what it ran and how long it took (from the previous step's end)."""
+
+    tokens: int
+    rows: int  # logits rows: its decode rows, plus the prompt chunk(s) it ran (counted as one)
+    prefill: bool  # it ran (a chunk of) a prompt
+    seconds: float
 
 
 async def run_engine(
     model: Any, tokenizer: Any, jobs: list[Job], config: EngineConfig, probe: EngineProbe | None = None
 ) -> tuple[float, list[list[int]]]:
-    steps: list[tuple[int, int]] = []  # (tokens, decode rows so far), appended by the engine's thread
+    steps: list[tuple[int, int, float]] = []  # (tokens, decode rows so far, end time), appended by the engine's thread
     async with Engine(model, tokenizer, config) as engine:
         # Warm the kernels once so no run pays for first-call setup.
         await _drain(engine.submit(EngineRequest("warmup", input_ids=jobs[0].prompt_ids, params=_greedy(4))))
         if probe is not None:
             probe.lone_decode_ms, probe.one_row_ms = await _lone_against_matmul(engine, model, jobs[0].prompt_ids[:64])
         counters = engine.counters
-        engine.observe_steps(lambda tokens: steps.append((tokens, counters.decode_tokens)))
+        engine.observe_steps(lambda tokens: steps.append((tokens, counters.decode_tokens, time.perf_counter())))
         decode_before = counters.decode_tokens
         start = time.perf_counter()
         streams = [
@@ -116,12 +128,11 @@ async def run_engine(
         outputs = await asyncio.gather(*(_drain(stream) for stream in streams))
         seconds = time.perf_counter() - start
     if probe is not None:
-        previous = decode_before
-        for tokens, decoded in steps:
-            rows = decoded - previous
-            previous = decoded
-            # a step's logits rows: its decode rows, plus the prompt chunk(s) it ran (counted as one)
-            probe.steps.append((tokens, rows + (1 if tokens > rows else 0)))
+        previous, previous_end = decode_before, start
+        for tokens, decoded, end in steps:
+            rows, prefill = decoded - previous, tokens > decoded - previous
+            probe.steps.append(StepRecord(tokens, rows + prefill, prefill, end - previous_end))
+            previous, previous_end = decoded, end
         probe.mean_decode_rows = (previous - decode_before) / max(1, len(steps))
     return seconds, outputs
 
@@ -281,6 +292,20 @@ def first_differences(outputs: list[list[int]], references: list[list[int]]) -> 
     ]
 
 
+def limit_by_kind(steps: list[StepRecord], bounds: list[float]) -> dict[str, float | None]:
+    """`limit_fraction` over the decode-only steps and over the steps that ran a prompt chunk, and the decode-only
+    steps' share of the step time: which kind of step the distance to the bound is in."""
+    figures: dict[str, float | None] = {}
+    for kind, prefill in (("decode", False), ("prefill", True)):
+        chosen = [(step.seconds, bound) for step, bound in zip(steps, bounds, strict=True) if step.prefill is prefill]
+        spent = sum(seconds for seconds, _ in chosen)
+        figures[f"{kind}_limit_fraction"] = round(sum(bound for _, bound in chosen) / spent, 3) if spent else None
+    total = sum(step.seconds for step in steps)
+    decode_s = sum(step.seconds for step in steps if not step.prefill)
+    figures["decode_time_share"] = round(decode_s / total, 3) if total else 0.0
+    return figures
+
+
 def int8_figures(
     useful: int,
     float32_s: float,
@@ -351,7 +376,9 @@ def main(argv: list[str] | None = None) -> None:
     mean_rows, lone_ms = probe.mean_decode_rows, probe.lone_decode_ms
     _report("engine", engine_s, useful)
     # The bound right after the engine's run, before the other ways: the machine's speed drifts over minutes.
-    limit_s = sum(MatmulBound(model).step_ms(tokens, rows) for tokens, rows in probe.steps) / 1e3
+    bound = MatmulBound(model)
+    step_bounds = [bound.step_ms(step.tokens, step.rows) / 1e3 for step in probe.steps]
+    limit_s = sum(step_bounds)
     int8_s = int8_out = None
     int8_probe = EngineProbe()
     if int8_model is not None:
@@ -397,6 +424,7 @@ def main(argv: list[str] | None = None) -> None:
         "matmul_only_s": round(limit_s, 2),
         "limit_tok_s": round(useful / limit_s, 2),
         "limit_fraction": round(limit_s / engine_s, 3),
+        **limit_by_kind(probe.steps, step_bounds),
         "lone_decode_ms": round(lone_ms, 2),
         "matmul_one_row_ms": round(one_row_ms, 2),
         "b1_fraction": round(one_row_ms / lone_ms, 3),
@@ -414,6 +442,10 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"limit: the engine's {len(probe.steps)} steps (mean {mean_rows:.1f} decode rows) at their matmul time alone "
         f"take {limit_s:.1f} s -> {useful / limit_s:.1f} tok/s; limit_fraction {figures['limit_fraction']}"
+    )
+    print(
+        f"  by kind: decode-only steps {figures['decode_limit_fraction']} ({figures['decode_time_share']:.0%} of the "
+        f"step time), steps with a prompt chunk {figures['prefill_limit_fraction']}"
     )
     print(f"lone request: {lone_ms:.1f} ms/token vs one-row matmuls {one_row_ms:.1f} ms: b1 {figures['b1_fraction']}")
     print(f"outputs equal to one-at-a-time greedy: engine {matches(engine_out)}/{len(subset)}")
