@@ -25,7 +25,8 @@ from bench.workload import load_bench_model, print_json
 from worker.engine import Engine, EngineConfig, EngineRequest, GenerationParams, cpu_kernels
 from worker.engine.loader import DEFAULT_MODEL, LoadOptions, load_model
 
-KERNEL_RANGE = "llmq::paged_decode"  # the native decode kernel is no torch op: timed as a range of this name
+KERNEL_RANGE = "llmq::paged_decode"  # the native kernels are no torch ops: timed as ranges of these names
+NORM_RANGE = "llmq::rms_norm"  # counted in "other", with the norms torch runs where the native one is not used
 FAMILIES = {
     "matmul": ("aten::addmm", "aten::mm", "aten::bmm", "aten::linear", "mkldnn::", "aten::mkldnn", "aten::matmul"),
     "attention": (
@@ -65,14 +66,17 @@ FAMILIES = {
 
 
 def _record_kernel_calls() -> None:
-    """Makes the native kernel's calls show in the profile, as ranges (ctypes calls are invisible to it)."""
-    call = cpu_kernels.PagedDecode.__call__
+    """Makes the native kernels' calls show in the profile, as ranges (ctypes calls are invisible to it)."""
+    for kernel, name in ((cpu_kernels.PagedDecode, KERNEL_RANGE), (cpu_kernels.RmsNorm, NORM_RANGE)):
+        kernel.__call__ = _recorded(kernel.__call__, name)  # type: ignore[method-assign]
 
-    def recorded(self: cpu_kernels.PagedDecode, *args: Any) -> None:
-        with torch.profiler.record_function(KERNEL_RANGE):
-            call(self, *args)
 
-    cpu_kernels.PagedDecode.__call__ = recorded  # type: ignore[method-assign]
+def _recorded(call: Any, name: str) -> Any:
+    def recorded(self: Any, *args: Any) -> Any:
+        with torch.profiler.record_function(name):
+            return call(self, *args)
+
+    return recorded
 
 
 def family(op: str) -> str:
