@@ -93,9 +93,7 @@ class PagedDecode:
         """`query`, `out`: `[tokens, heads, head_dim]`; `keys`, `values`: `[cache rows, kv_heads, head_dim]` (the
         library's per-layer views, whose row counts may differ); all float32 and contiguous. Writes the decode rows of
         `out`, leaves its other rows alone."""
-        tensors = (query, keys, values, out)
-        if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
-            raise ValueError("paged_decode takes contiguous float32 CPU tensors")
+        _require_contiguous_float32("paged_decode", query, keys, values, out)
         if query.dim() != 3 or keys.dim() != 3 or values.shape[1:] != keys.shape[1:] or out.shape != query.shape:
             raise ValueError(f"paged_decode: query {tuple(query.shape)} does not fit keys {tuple(keys.shape)}")
         heads, kv_heads, head_dim = query.shape[1], keys.shape[1], keys.shape[2]
@@ -124,18 +122,22 @@ class RmsNorm:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """`torch.rms_norm(x, (width,), weight, eps)` for contiguous float32 `[rows, width]` rows on the CPU."""
-        tensors = (x, weight)
-        if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
-            raise ValueError("rms_norm takes contiguous float32 CPU tensors")
+        _require_contiguous_float32("rms_norm", x, weight)
         if x.dim() != 2 or x.shape[1] != self.width or weight.shape != (self.width,):
-            raise ValueError(f"rms_norm of width {self.width}: rows {tuple(x.shape)} or weight {tuple(weight.shape)} "
-                             "do not fit")  # fmt: skip
+            shapes = f"rows {tuple(x.shape)} or weight {tuple(weight.shape)}"
+            raise ValueError(f"rms_norm of width {self.width}: {shapes} do not fit")
         out = torch.empty_like(x)
         threads = torch.get_num_threads()
         self._function(
             x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], self.width, eps, self.lanes, threads
         )
         return out
+
+
+def _require_contiguous_float32(kernel: str, *tensors: torch.Tensor) -> None:
+    """The C code reads raw float32 memory: anything else is refused before a pointer is handed over."""
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+        raise ValueError(f"{kernel} takes contiguous float32 CPU tensors")
 
 
 @functools.cache
@@ -149,8 +151,10 @@ def load() -> PagedDecode | None:
 def rms_norm(width: int) -> RmsNorm | None:
     """The native RMSNorm for rows of `width`, where it gives torch's bits on random rows here (each vector width
     torch may sum in is tried); else None, and the caller keeps `torch.rms_norm`."""
+    if width < 1:
+        return None
     library = _library(RMS_NORM_SOURCE, EXACT_FLAGS, "RMSNorm")
-    if library is None or width < 1:
+    if library is None:
         return None
     generator = torch.Generator().manual_seed(width)
     weight = torch.randn(width, generator=generator)
