@@ -2,7 +2,7 @@
 `model.generate` batches vs one request at a time, with the matmul-only limit and a lone request's latency.
 
     python -m bench.engine [--quick] [--all-at-once] [--requests N] [--sequential-every K] [--device D --dtype T]
-                           [--quantize int8]
+                           [--quantize int8] [--exact-rows]
 
 Default workload (a busy service): more requests than slots, `max_running` 32, static batches of at most 32 (the
 same memory), prompts 16-256 tokens, output lengths heavy-tailed (70 % 16-64, 30 % 128-384), greedy, EOS ignored,
@@ -26,16 +26,21 @@ same matrix multiplies.
 `int8_speedup` is its tokens/s over float32's, and agreement compares its greedy outputs with the float32 engine's,
 request by request: `int8_first_diff_mean`, the mean index of the first differing token (a request without a
 difference counts as its length), and `int8_identical`, the fraction of requests with no difference.
+
+`--exact-rows` also runs the engine way with each product at its exact row count, as before products were padded
+to a bounded set of row counts (`prepack.row_bucket`, which keeps a worker's memory flat), alternating with the
+padded way twice in this process: `padded_speedup` is the exact way's best time over the padded way's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +49,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from bench.workload import Job, load_bench_model, make_workload, peak_rss_mb, print_json
-from worker.engine import Engine, EngineConfig, EngineRequest, GenerationParams, lean_layers
+from worker.engine import Engine, EngineConfig, EngineRequest, GenerationParams, lean_layers, prepack
 from worker.engine.loader import DEFAULT_MODEL, LoadOptions, load_model
 from worker.engine.quantize import quantize_int8
 
@@ -328,6 +333,33 @@ def int8_figures(
     }
 
 
+def padding_figures(model: Any, tokenizer: Any, jobs: list[Job], config: EngineConfig, useful: int) -> dict[str, Any]:
+    """The engine way with exact row counts against padded ones, alternating twice (the machine drifts)."""
+    exact_s, padded_s = [], []
+    for _ in range(2):
+        with exact_rows():
+            exact_s.append(asyncio.run(run_engine(model, tokenizer, jobs, config))[0])
+        _report("engine exact", exact_s[-1], useful)
+        padded_s.append(asyncio.run(run_engine(model, tokenizer, jobs, config))[0])
+        _report("engine padded", padded_s[-1], useful)
+    return {
+        "exact_rows_tok_s": round(useful / min(exact_s), 2),
+        "padded_rows_tok_s": round(useful / min(padded_s), 2),
+        "padded_speedup": round(min(exact_s) / min(padded_s), 3),
+    }
+
+
+@contextlib.contextmanager
+def exact_rows() -> Iterator[None]:
+    """Products at their exact row counts while inside (the behaviour before padding), for `--exact-rows`."""
+    padded = prepack.row_bucket
+    prepack.row_bucket = lambda rows: rows
+    try:
+        yield
+    finally:
+        prepack.row_bucket = padded
+
+
 def _report(label: str, seconds: float, useful: int) -> None:
     print(f"{label:<14} {seconds:7.2f} s  {useful / seconds:8.1f} useful tok/s   peak RSS {peak_rss_mb():.0f} MB")
 
@@ -350,6 +382,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--quantize", choices=("none", "int8"), default="none", help="int8: also the int8 engine")
+    parser.add_argument("--exact-rows", action="store_true", help="also the engine with unpadded products, alternated")
     return parser.parse_args(argv)
 
 
@@ -384,6 +417,7 @@ def main(argv: list[str] | None = None) -> None:
     if int8_model is not None:
         int8_s, int8_out = asyncio.run(run_engine(int8_model, tokenizer, jobs, config, int8_probe))
         _report("engine int8", int8_s, useful)
+    padding = padding_figures(model, tokenizer, jobs, config, useful) if args.exact_rows else {}
     library_s = library_out = None
     if not args.skip_library:
         library_s, library_out = run_library(model, jobs, config)
@@ -433,6 +467,7 @@ def main(argv: list[str] | None = None) -> None:
         "library_matches_sequential": matches(library_out),
         "static_matches_sequential": matches(static_out),
         **int8_figures(useful, engine_s, int8_s, int8_probe, int8_out, engine_out),
+        **padding,
         "peak_rss_mb": round(peak_rss_mb()),
     }
     print(
@@ -454,6 +489,8 @@ def main(argv: list[str] | None = None) -> None:
             f"int8: {figures['int8_speedup']}x float32's tok/s; greedy outputs first differ at token "
             f"{figures['int8_first_diff_mean']} on average, {figures['int8_identical']} of requests identical"
         )
+    if padding:
+        print(f"padded rows: {padding['padded_speedup']}x the exact rows' tok/s (best of two runs each, alternated)")
     print_json(figures)
 
 

@@ -1,16 +1,21 @@
-"""Pre-packed float32 linear layers: the same outputs, tied weights kept, and a safe fallback."""
+"""Pre-packed float32 linear layers: the same outputs, tied weights kept, a bounded set of shapes, a safe fallback."""
 
 from __future__ import annotations
 
+import asyncio
+import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from tests.engine.conftest import reference_greedy
+from worker.engine import prepack as prepack_module
 from worker.engine.loader import LoadOptions, load_model
-from worker.engine.prepack import PackedLinear, StackedLinears, available, prepack
+from worker.engine.prepack import PackedLinear, StackedLinears, available, prepack, row_bucket
+from worker.engine.types import EngineRequest, GenerationParams
 
 
 def test_loaded_model_is_packed_and_greedy_outputs_are_unchanged(tiny_model_dir: Path) -> None:
@@ -98,3 +103,62 @@ def test_only_float32_packed_layers_of_one_input_width_and_bias_kind_stack() -> 
     assert not StackedLinears.stackable([*_layers((16, 8)), nn.Linear(16, 8)])
     with pytest.raises(ValueError, match="StackedLinears"):
         StackedLinears(_layers((16, 8), (12, 8)))
+
+
+def test_row_counts_are_padded_to_a_bounded_set_with_at_most_an_eighth_of_padding() -> None:
+    assert [row_bucket(rows) for rows in range(18)] == [0, 1, 2, 4, 4, *[8] * 4, *[16] * 8, 18]
+    assert [row_bucket(rows) for rows in (32, 33, 100, 300, 512, 513)] == [32, 36, 104, 320, 512, 576]
+    for rows in range(17, 9000):
+        assert rows <= row_bucket(rows) <= rows * 9 / 8
+        assert row_bucket(row_bucket(rows)) == row_bucket(rows)
+    assert len({row_bucket(rows) for rows in range(1, 513)}) == 45
+    assert len({row_bucket(rows) for rows in range(1, 8193)}) == 77
+
+
+def test_padded_rows_give_the_unpadded_products() -> None:
+    layers = _layers((64, 96), (64, 32))
+    stacked = StackedLinears(layers)
+    linear = nn.Linear(64, 40)
+    with torch.no_grad():
+        for rows in (0, 1, 3, 5, 17, 33, 129, 300):
+            x = torch.randn(rows, 64)
+            out = stacked(x)
+            assert out.shape == (rows, 128) and out.is_contiguous()
+            torch.testing.assert_close(
+                out, torch.cat([nn.functional.linear(x, layer.weight, layer.bias) for layer in layers], -1)
+            )
+            torch.testing.assert_close(PackedLinear.wrap(linear)(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+async def test_an_engine_hands_onednn_only_bucketed_row_counts(
+    llama_dir: Path, make_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each oneDNN shape keeps native memory for good: a worker that met every row count grew ~200 KB a request."""
+    product = prepack_module._linear_pointwise
+    row_counts: set[int] = set()
+
+    def counting(rows: torch.Tensor, *args: Any) -> torch.Tensor:
+        row_counts.add(rows.shape[0])
+        return product(rows, *args)
+
+    monkeypatch.setattr(prepack_module, "_linear_pointwise", counting)
+    engine = await make_engine(llama_dir, max_batch_tokens=128)
+    rng = random.Random(3)
+    requests = [
+        EngineRequest(
+            f"r{i}",
+            input_ids=[rng.randrange(3, 200) for _ in range(length)],
+            params=GenerationParams(max_new_tokens=rng.randint(1, 12), temperature=0),
+        )
+        for i, length in enumerate(rng.sample(range(1, 200), 60))
+    ]
+    outputs = []
+    for wave in range(0, len(requests), 4):  # a few at a time, so steps of every size run, not only full ones
+        outputs += await asyncio.gather(*(_drain(engine.submit(request)) for request in requests[wave : wave + 4]))
+    assert all(outputs), "every request produced tokens"
+    assert len(row_counts) > 8, "steps of many sizes ran"
+    assert row_counts <= {1, 2, 4, 8, 16, *range(18, 33, 2), *range(36, 65, 4), *range(72, 129, 8)}
+
+
+async def _drain(stream: Any) -> list[int]:
+    return [token async for delta in stream for token in delta.token_ids]

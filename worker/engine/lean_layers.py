@@ -27,7 +27,7 @@ from torch.nn import functional
 
 from worker.engine import cpu_kernels
 from worker.engine.attention import ATTENTION_NAME, varlen_sdpa_forward
-from worker.engine.prepack import PackedLinear, StackedLinears
+from worker.engine.prepack import PackedLinear, StackedLinears, packed_product
 
 # Decoder layers whose forward this reproduces (checked against the library's, bitwise, in tests), by model type.
 SUPPORTED_LAYERS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "qwen2": "Qwen2DecoderLayer"}
@@ -185,6 +185,6 @@ def _projection(linear: PackedLinear) -> Callable[[torch.Tensor], torch.Tensor]:
         return linear
 
     def project(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, linear.packed_weight(), linear.bias, "none", [], "")
+        return packed_product(x, linear.packed_weight(), linear.bias)
 
     return project
