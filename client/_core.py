@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from redis.backoff import ExponentialBackoff
 
+from client.connection import redact_url
 from client.errors import Cancelled, ClientClosed, InvalidRequest, LLMQError, MalformedEntry, QueueFull, ResultTimeout
 from client.protocol import (
     ENTRY_FIELD,
@@ -58,30 +58,13 @@ RETRIES = 3
 RETRY_BACKOFF_S = (0.05, 0.25)  # base and cap of the exponential backoff
 
 
-def redact_url(url: str) -> str:
-    """The URL with its password replaced by `***`, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
-
-
-def connect_kwargs(
-    url: str, ssl_ca_certs: str | None, redis_kwargs: dict[str, Any], retry_type: Callable[..., Any]
-) -> dict[str, Any]:
-    """Keyword arguments for redis-py's `BlockingConnectionPool.from_url`: a small bounded pool whose callers
-    wait for a free connection, each command retried on a lost connection (`retry_type`: redis-py's `Retry`, sync
-    or asyncio; a pool built this way has none otherwise); a CA file only makes sense with `rediss://`."""
+def pool_kwargs(redis_kwargs: dict[str, Any], retry_type: Callable[..., Any]) -> dict[str, Any]:
+    """Keyword arguments for `client.connection.open_async`/`open_sync`: a small bounded pool whose callers wait
+    for a free connection, each command retried on a lost connection (`retry_type`: redis-py's `Retry`, sync or
+    asyncio; a pool built this way has none otherwise)."""
     base, cap = RETRY_BACKOFF_S
     retry = retry_type(ExponentialBackoff(cap=cap, base=base), RETRIES)
-    kwargs = {"max_connections": DEFAULT_MAX_CONNECTIONS, "timeout": POOL_WAIT_S, "retry": retry, **redis_kwargs}
-    if ssl_ca_certs is None:
-        return kwargs
-    if urlsplit(url).scheme != "rediss":
-        raise ValueError(f"ssl_ca_certs needs a rediss:// URL, not {redact_url(url)}")
-    return {**kwargs, "ssl_ca_certs": ssl_ca_certs}
+    return {"max_connections": DEFAULT_MAX_CONNECTIONS, "timeout": POOL_WAIT_S, "retry": retry, **redis_kwargs}
 
 
 def deadline_ms(deadline: float | timedelta | datetime | None, now_ms: int) -> int | None:

@@ -21,11 +21,12 @@ from client._core import (
     Delta,
     Outcome,
     Result,
-    connect_kwargs,
+    pool_kwargs,
     queue_full_delays,
     submit_arguments_error,
 )
 from client._mux import BLOCK_S, ENTRIES_PER_STREAM, WAKE_DELAY_S, Follower, MuxCore, max_block_ms
+from client.connection import open_async
 from client.errors import ClientClosed, LLMQError, QueueFull, ResultTimeout
 from client.protocol import DEFAULT_PREFIX, ChatMessage, Lane, RequestLimits
 from client.store import Keys, QueueStatus, Scripts, queue_cancel_commands, queue_status_commands, status_from_replies
@@ -65,7 +66,7 @@ class AsyncClient(BaseClient):
     ) -> None:
         own = redis is None
         # where the client owns its pool: how to open another, for a client moved to another event loop
-        self._pool_args = (url, connect_kwargs(url, ssl_ca_certs, redis_kwargs, AsyncRetry)) if own else None
+        self._pool_args = (url, ssl_ca_certs, pool_kwargs(redis_kwargs, AsyncRetry)) if own else None
         self._loop: asyncio.AbstractEventLoop | None = None
         conn = redis if self._pool_args is None else _open(*self._pool_args)
         super().__init__(
@@ -342,8 +343,9 @@ class Inbox:
         return self._items.pop(0)
 
 
-def _open(url: str, kwargs: dict[str, Any]) -> aioredis.Redis:
-    return aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(url, **kwargs))
+def _open(url: str, ssl_ca_certs: str | None, kwargs: dict[str, Any]) -> aioredis.Redis:
+    client: aioredis.Redis = open_async(url, ssl_ca_certs=ssl_ca_certs, **kwargs)
+    return client
 
 
 class AsyncResultMux:

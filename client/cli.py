@@ -13,8 +13,9 @@ from urllib.parse import urlsplit
 
 from redis.exceptions import RedisError
 
-from client._core import DEFAULT_URL, redact_url
+from client._core import DEFAULT_URL
 from client.batch import run_batch
+from client.connection import redact_url
 from client.errors import Cancelled, LLMQError
 from client.protocol import DEFAULT_PREFIX, LANES, SamplingParams, ms_now
 from client.store import QueueStatus

@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, Self
 
-from redis import BlockingConnectionPool, Redis
+from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -27,11 +27,12 @@ from client._core import (
     Delta,
     Outcome,
     Result,
-    connect_kwargs,
+    pool_kwargs,
     queue_full_delays,
     submit_arguments_error,
 )
 from client._mux import ENTRIES_PER_STREAM, WAKE_DELAY_S, Follower, MuxCore, max_block_ms
+from client.connection import open_sync
 from client.errors import ClientClosed, LLMQError, QueueFull
 from client.protocol import DEFAULT_PREFIX, ChatMessage, Lane, RequestLimits
 from client.store import Keys, QueueStatus, queue_cancel_commands, queue_status_commands, status_from_replies
@@ -71,9 +72,7 @@ class Client(BaseClient):
     ) -> None:
         own = redis is None
         if redis is None:
-            redis = Redis.from_pool(
-                BlockingConnectionPool.from_url(url, **connect_kwargs(url, ssl_ca_certs, redis_kwargs, Retry))
-            )
+            redis = open_sync(url, ssl_ca_certs=ssl_ca_certs, **pool_kwargs(redis_kwargs, Retry))
         conn = redis
         super().__init__(
             conn,

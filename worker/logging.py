@@ -11,11 +11,12 @@ from typing import Any
 
 import structlog
 
-_URL_PASSWORD = re.compile(r"(rediss?://[^:/@\s]*:)[^@\s]+@")
+_URL_PASSWORD = re.compile(r"((?:rediss?|unix)(?:\+cluster|\+sentinel)?://[^:/@\s]*:)[^@\s]+@")
+_SENTINEL_PASSWORD = re.compile(r"(sentinel_password=)[^&\s]+")
 
 
 def redact(text: str) -> str:
-    return _URL_PASSWORD.sub(r"\1***@", text)
+    return _SENTINEL_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))
 
 
 def _redact_secrets(_: Any, __: str, event: MutableMapping[str, Any]) -> Mapping[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from client.connection import check_async, open_async
 from worker.adapter import engine_config
 from worker.config import Settings
 from worker.engine import Engine, LoadOptions, load_model
@@ -22,9 +23,9 @@ def connect(settings: Settings) -> Redis:
     # every call here is short (XREADGROUP blocks for read_block_ms at most).
     timeout_s = max(10.0, 4 * settings.read_block_ms / 1000)
     kwargs: dict[str, Any] = {"health_check_interval": 15, "socket_timeout": timeout_s, "socket_connect_timeout": 5.0}
-    if settings.redis_ca_file is not None:
-        kwargs["ssl_ca_certs"] = str(settings.redis_ca_file)
-    return Redis.from_url(settings.redis_url.get_secret_value(), **kwargs)
+    ca_file = None if settings.redis_ca_file is None else str(settings.redis_ca_file)
+    client: Redis = open_async(settings.redis_url.get_secret_value(), ssl_ca_certs=ca_file, **kwargs)
+    return client
 
 
 class RedisUnavailable(RuntimeError):
@@ -38,7 +39,7 @@ async def serve(settings: Settings, *, handle_signals: bool = True) -> None:
     url = redact(settings.redis_url.get_secret_value())
     redis = connect(settings)
     try:
-        await redis.ping()  # fail in a second on a wrong password or address, not after loading the model
+        await check_async(redis, settings.redis_url.get_secret_value())  # in a second, not after loading the model
     except Exception as error:
         await redis.aclose()
         raise RedisUnavailable(f"cannot use Redis at {url}: {redact(str(error)) or type(error).__name__}") from None

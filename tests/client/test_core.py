@@ -29,8 +29,9 @@ from client import (
 )
 from client import _core as core
 from client import _mux as mux
-from client._core import ResultBuilder, ResultReader, deadline_ms, redact_url
+from client._core import ResultBuilder, ResultReader, deadline_ms
 from client._mux import MuxCore
+from client.connection import redact_url
 from client.protocol import (
     ChatMessage,
     DoneEvent,
