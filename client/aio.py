@@ -26,7 +26,7 @@ from client._core import (
     submit_arguments_error,
 )
 from client._mux import BLOCK_S, ENTRIES_PER_STREAM, WAKE_DELAY_S, Follower, MuxCore, max_block_ms
-from client.connection import open_async
+from client.connection import check_async, open_async
 from client.errors import ClientClosed, LLMQError, QueueFull, ResultTimeout
 from client.protocol import DEFAULT_PREFIX, ChatMessage, Lane, RequestLimits
 from client.store import Keys, QueueStatus, Scripts, queue_cancel_commands, queue_status_commands, status_from_replies
@@ -248,6 +248,12 @@ class AsyncClient(BaseClient):
         """`submit(prompt, **options)`, then `result(timeout)`."""
         job = await self.submit(prompt, **options)
         return await job.result(timeout)
+
+    async def check(self) -> None:
+        """Fails fast where this client cannot work: Redis unreachable, credentials refused (redis-py's errors), or a
+        URL of the wrong kind for what answered (`WrongDeployment`: a Cluster node or a Sentinel behind `redis://`)."""
+        self.ensure_open()
+        await check_async(self._redis, self._url or "redis://")
 
     async def status(self, *, queue: str | None = None, stale_after_s: float = 15.0) -> QueueStatus:
         """Backlog, pending and lag of the consumer group, dead letters, and workers seen in `stale_after_s`."""

@@ -9,13 +9,12 @@ import os
 import sys
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from redis.exceptions import RedisError
 
 from client._core import DEFAULT_URL
 from client.batch import run_batch
-from client.connection import redact_url
+from client.connection import explain, redact_url, secrets_of
 from client.errors import Cancelled, LLMQError
 from client.protocol import DEFAULT_PREFIX, LANES, SamplingParams, ms_now
 from client.store import QueueStatus
@@ -209,8 +208,9 @@ def _batch_paths_problem(source: Path, output: Path) -> str | None:
 
 def _scrub(message: str, url: str) -> str:
     """Never print a password, even if a library echoes the URL."""
-    password = urlsplit(url).password
-    return message.replace(password, "***") if password else message
+    for secret in secrets_of(url):
+        message = message.replace(secret, "***")
+    return message
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         with Client(args.url, queue=args.queue, prefix=args.prefix) as client:
             return run(client, args)
     except RedisError as exc:
-        print(f"llmq: error: {_scrub(str(exc), args.url)} ({redact_url(args.url)})", file=sys.stderr)
+        print(f"llmq: error: {_scrub(explain(exc, args.url), args.url)} ({redact_url(args.url)})", file=sys.stderr)
     except (LLMQError, ValueError, TypeError) as exc:
         print(f"llmq: error: {_scrub(str(exc), args.url)}", file=sys.stderr)
     except BrokenPipeError:  # whoever read our output left (`| head`): stop quietly, as other tools do

@@ -16,7 +16,7 @@ messages (`redact_url`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.cluster import ClusterNode
-from redis.exceptions import ReadOnlyError
+from redis.exceptions import AskError, ReadOnlyError
 from redis.sentinel import Sentinel
 
 from client.errors import LLMQError
@@ -146,6 +146,25 @@ def redact_url(url: str) -> str:
     )
     netloc = f"{userinfo}@{hosts}" if at else hosts
     return f"{scheme}://" + urlunsplit(("", netloc, parts.path, query, parts.fragment)).removeprefix("//")
+
+
+def secrets_of(url: str) -> list[str]:
+    """The passwords a URL holds (the user's, the sentinels'), to scrub from a library's message that echoes them."""
+    address = parse_url(url)
+    if address.kind == "standalone":
+        address = replace(address, password=urlsplit(url).password)
+    found = [address.password, address.sentinel_credentials.get("password")]
+    return [secret for secret in found if secret]
+
+
+def explain(error: Exception, url: str) -> str:
+    """A redis-py error in words a user can act on: a MOVED reply to a plain URL means a Redis Cluster."""
+    if isinstance(error, AskError) and parse_url(url).kind == "standalone":  # MovedError is an AskError
+        return (
+            f"a Redis Cluster node answered that this queue's keys live on {error.host}:{error.port}: "
+            f"connect with redis+cluster://<host>:<port> (any node)"
+        )
+    return str(error)
 
 
 def _connection_kwargs(address: RedisAddress, ssl_ca_certs: str | None, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from client._core import (
     submit_arguments_error,
 )
 from client._mux import ENTRIES_PER_STREAM, WAKE_DELAY_S, Follower, MuxCore, max_block_ms
-from client.connection import open_sync
+from client.connection import check_sync, open_sync
 from client.errors import ClientClosed, LLMQError, QueueFull
 from client.protocol import DEFAULT_PREFIX, ChatMessage, Lane, RequestLimits
 from client.store import Keys, QueueStatus, queue_cancel_commands, queue_status_commands, status_from_replies
@@ -225,6 +225,11 @@ class Client(BaseClient):
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **options: Any) -> Result:
         """`submit(prompt, **options)`, then `result(timeout)`."""
         return self.submit(prompt, **options).result(timeout)
+
+    def check(self) -> None:
+        """The blocking twin of `AsyncClient.check`."""
+        self.ensure_open()
+        check_sync(self._redis, self._url or "redis://")
 
     def status(self, *, queue: str | None = None, stale_after_s: float = 15.0) -> QueueStatus:
         """Backlog, pending and lag of the consumer group, dead letters, and workers seen in `stale_after_s`."""
