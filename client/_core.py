@@ -20,7 +20,7 @@ from typing import Any
 
 from redis.backoff import ExponentialBackoff
 
-from client.connection import redact_url
+from client.connection import connection_options, redact_url
 from client.errors import Cancelled, ClientClosed, InvalidRequest, LLMQError, MalformedEntry, QueueFull, ResultTimeout
 from client.protocol import (
     ENTRY_FIELD,
@@ -306,7 +306,7 @@ class BaseClient:
         result_ttl: int,
         limits: RequestLimits | None,
     ) -> None:
-        if conn.connection_pool.connection_kwargs.get("decode_responses"):
+        if connection_options(conn).get("decode_responses"):
             raise ValueError("llmq needs a redis client with decode_responses=False (entries are msgpack)")
         if max_queue_len < 0:
             raise ValueError("max_queue_len must be >= 0 (0 = no limit)")
@@ -338,7 +338,8 @@ class BaseClient:
 
     @property
     def socket_timeout(self) -> float | None:
-        return self._redis.connection_pool.connection_kwargs.get("socket_timeout")
+        timeout: float | None = connection_options(self._redis).get("socket_timeout")
+        return timeout
 
     def build_request(
         self,

@@ -157,6 +157,16 @@ def secrets_of(url: str) -> list[str]:
     return [secret for secret in found if secret]
 
 
+def is_cluster(client: Any) -> bool:
+    """A redis-py Cluster client (sync or asyncio): cancels then go by sharded pub/sub."""
+    return isinstance(client, redis.RedisCluster | aioredis.RedisCluster)
+
+
+def connection_options(client: Any) -> Mapping[str, Any]:
+    """The keyword arguments a client's connections are made with, whatever its kind."""
+    return client.get_connection_kwargs() if is_cluster(client) else client.connection_pool.connection_kwargs
+
+
 def explain(error: Exception, url: str) -> str:
     """A redis-py error in words a user can act on: a MOVED reply to a plain URL means a Redis Cluster."""
     if isinstance(error, AskError) and parse_url(url).kind == "standalone":  # MovedError is an AskError

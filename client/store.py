@@ -382,10 +382,11 @@ def queue_status_commands(pipe: Any, keys: Keys) -> None:
         pipe.xrange(stream, count=BACKLOG_SAMPLE)
 
 
-def queue_cancel_commands(pipe: Any, keys: Keys, request_id: str, ttl: int) -> None:
-    """Queue on a pipeline the cancel mark (for a worker that missed the message) and the message."""
+def queue_cancel_commands(pipe: Any, keys: Keys, request_id: str, ttl: int, *, sharded: bool) -> None:
+    """Queue on a pipeline the cancel mark (for a worker that missed the message) and the message: `sharded` on a
+    Redis Cluster (SPUBLISH reaches the channel's own shard; PUBLISH would be copied to every node)."""
     pipe.set(keys.cancel(request_id), 1, ex=ttl)
-    pipe.publish(keys.cancel_channel, request_id)
+    (pipe.spublish if sharded else pipe.publish)(keys.cancel_channel, request_id)
 
 
 def status_from_replies(queue: str, replies: list[Any], stale_after_s: float) -> QueueStatus:

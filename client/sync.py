@@ -32,7 +32,7 @@ from client._core import (
     submit_arguments_error,
 )
 from client._mux import ENTRIES_PER_STREAM, WAKE_DELAY_S, Follower, MuxCore, max_block_ms
-from client.connection import check_sync, open_sync
+from client.connection import check_sync, is_cluster, open_sync
 from client.errors import ClientClosed, LLMQError, QueueFull
 from client.protocol import DEFAULT_PREFIX, ChatMessage, Lane, RequestLimits
 from client.store import Keys, QueueStatus, queue_cancel_commands, queue_status_commands, status_from_replies
@@ -287,7 +287,9 @@ class Job(BaseJob):
         """Ask the workers to stop this request; the stream then ends with `finish_reason == "cancelled"`."""
         self._client.ensure_open()
         pipe = self._client._redis.pipeline(transaction=True)
-        queue_cancel_commands(pipe, self.keys, self.id, self._client.result_ttl)
+        queue_cancel_commands(
+            pipe, self.keys, self.id, self._client.result_ttl, sharded=is_cluster(self._client._redis)
+        )
         pipe.execute()
 
 

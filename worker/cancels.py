@@ -1,16 +1,19 @@
-"""Cancels reach a worker by pub/sub on `{<queue>}:cancel`, also while it drains; a lost connection resubscribes,
-and the cancel marks (`{<queue>}:cancel:<id>`) cover whatever was published meanwhile."""
+"""Cancels reach a worker by pub/sub on `{<queue>}:cancel` (sharded pub/sub on a Redis Cluster), also while it
+drains; a lost connection resubscribes, and the cancel marks (`{<queue>}:cancel:<id>`) cover whatever was published
+meanwhile."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from structlog.typing import FilteringBoundLogger
 
+from client.connection import is_cluster
 from client.store import Keys
 from worker.engine import GenerationEngine
 from worker.logging import redact
@@ -34,12 +37,16 @@ class CancelListener:
 
     async def run(self, finished: asyncio.Event) -> None:
         while not finished.is_set():
-            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            pubsub: Any = self._redis.pubsub(ignore_subscribe_messages=True)
+            sharded = is_cluster(self._redis)  # a Cluster's cancels go by SPUBLISH to the queue's own shard
             try:
-                await pubsub.subscribe(self._keys.cancel_channel)
+                await (pubsub.ssubscribe if sharded else pubsub.subscribe)(self._keys.cancel_channel)
                 await self._apply_marks()  # anything published while we were not subscribed
                 while not finished.is_set():
-                    message = await pubsub.get_message(timeout=1.0)
+                    if sharded:
+                        message = await pubsub.get_sharded_message(ignore_subscribe_messages=True, timeout=1.0)
+                    else:
+                        message = await pubsub.get_message(timeout=1.0)
                     if message is not None and self._engine.cancel(_text(message["data"])):
                         self._log.info("cancelled", request_id=_text(message["data"]))
             except RedisError as error:
