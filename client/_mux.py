@@ -80,6 +80,7 @@ class MuxCore:
     _followers: dict[str, list[Follower]] = field(default_factory=dict)
     _due: dict[str, None] = field(default_factory=dict)  # keys to read in the next round (an ordered set)
     _sweep: list[str] = field(default_factory=list)  # keys of the current sweep not read yet
+    _reading: dict[str, tuple[int, int]] = field(default_factory=dict)  # the planned round's start id per stream
     _next_sweep: float = 0.0
     _wake_id: tuple[int, int] = (0, 0)
     _failing_since: float | None = None
@@ -121,6 +122,7 @@ class MuxCore:
             del self._sweep[:CHUNK_KEYS]
             self._next_sweep = now + SWEEP_STEP_S
         pending = {key: min(f.last_id for f in self._followers[key]) for key in due if key in self._followers}
+        self._reading = pending
         if not pending:
             block_ms = min(self.max_block_ms, int((self._next_sweep - now) * 1000))
             return Round([self._wake_read()], block_ms=max(1, block_ms))
@@ -153,7 +155,11 @@ class MuxCore:
                 continue
             if len(entries) >= ENTRIES_PER_STREAM:
                 self._due[name] = None
+            start = self._reading.get(name, (0, 0))
             for follower in self._followers.get(name, ()):
+                if follower.last_id < start:  # followed while this read was in flight, from an earlier entry
+                    self._due[name] = None  # the next round reads from its own last id: no gap
+                    continue
                 for entry_id, fields in entries:
                     parsed = parse_id(entry_id)
                     if parsed > follower.last_id:

@@ -421,3 +421,19 @@ def test_a_sync_wake_after_close_sends_nothing_and_a_pool_closed_under_it_is_no_
     in_flight._wake()  # no error: the client closed meanwhile
     with pytest.raises(AttributeError):
         ResultMux(redis, keys, "c3", None)._wake()  # not closed: a real fault is not hidden
+
+
+def test_a_follower_that_joins_while_a_later_read_is_in_flight_gets_no_gap() -> None:
+    """A job streamed, abandoned and streamed again follows anew from its last consumed entry, while the
+    abandoned follower's read from a later entry may be in flight: that reply must not skip the entries between."""
+    keys = Keys("default")
+    reading = MuxCore(keys, "c1")
+    key = keys.result("r")
+    ahead = reading.follow(key, b"2-0", None)
+    assert reading.plan(0.0).chunks[0][key] == "2-0"  # the read in flight starts after entry 2
+    behind = reading.follow(key, b"1-0", None)  # joins now, from entry 1
+    routed = reading.route([[key.encode(), [(b"3-0", {b"m": b""})]]])
+    assert [(follower, entry_id) for follower, entry_id, _ in routed] == [(ahead, b"3-0")]
+    assert reading.plan(0.01).chunks[0][key] == "1-0"  # read again from where `behind` stands
+    routed = reading.route([[key.encode(), [(b"2-0", {b"m": b""}), (b"3-0", {b"m": b""})]]])
+    assert [(follower, entry_id) for follower, entry_id, _ in routed] == [(behind, b"2-0"), (behind, b"3-0")]
