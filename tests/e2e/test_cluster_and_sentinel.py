@@ -1,0 +1,151 @@
+"""The service on a real Redis Cluster and a real Sentinel set: every public operation, wrong URLs refused up front,
+and a primary killed (or failed over) while requests stream, with nothing lost.
+
+Workers run in-process on the scripted engine (tests/scripted_engine.py): its tokens are a pure function of the
+prompt and the position, so a stream that survived a failover is checked token for token against the idle answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from client import AsyncClient, Cancelled, Client
+from client.cli import main as cli
+from client.connection import WrongDeployment, check_async, open_async
+from client.store import Keys
+from tests.redis_topologies import RedisClusterSet, SentinelSet
+from tests.scripted_engine import ScriptedEngine, expected_tokens
+from tests.worker.conftest import worker_settings
+from worker.service import Worker
+
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
+TOKENS = 300  # at 10 ms a step a request streams for 3 s: long enough to be cut by a failover
+
+
+@contextlib.asynccontextmanager
+async def serving(url: str, queue: str, tmp_path: Path, step_s: float = 0.002) -> AsyncIterator[Worker]:
+    """One in-process worker on `queue`, connected as `python -m worker` connects (`open_async`)."""
+    settings = worker_settings(url, tmp_path / "model", queue=queue)
+    engine = ScriptedEngine(step_s=step_s, max_running=32, kv_cache_tokens=32768, page_size=16, max_batch_tokens=512)
+    redis = open_async(url, socket_timeout=5, socket_connect_timeout=2)
+    worker = Worker(settings, engine, redis)
+    stop, hurry = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(worker.run(stop, hurry))
+    try:
+        yield worker
+    finally:
+        stop.set()
+        hurry.set()
+        await asyncio.wait_for(task, 30)
+        await redis.aclose()
+
+
+async def test_every_public_operation_on_a_cluster_with_queues_on_two_shards(
+    redis_cluster: RedisClusterSet, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first, second = redis_cluster.queues_on_different_masters()
+    url = redis_cluster.seed_url
+    async with serving(url, first, tmp_path), serving(url, second, tmp_path), AsyncClient(url, queue=first) as client:
+        await client.check()
+        # one client follows jobs of two queues whose keys live on different shards
+        jobs = [await client.submit(f"hello {i}", max_new_tokens=8, queue=(first, second)[i % 2]) for i in range(6)]
+        results = await asyncio.gather(*(job.result(timeout=30) for job in jobs))
+        for i, result in enumerate(results):
+            assert result.token_ids == expected_tokens(list(f"hello {i}".encode()), 8)
+            assert result.finish_reason == "length"
+        long = await client.submit("cancel me", max_new_tokens=TOKENS, queue=second)
+        async for _ in long.stream(timeout=30):
+            await long.cancel()  # by sharded pub/sub, to the second queue's shard
+            break
+        with pytest.raises(Cancelled):
+            await long.result(timeout=30)
+        for queue in (first, second):
+            status = await client.status(queue=queue)
+            assert len(status.workers) == 1 and status.depth == 0
+        with Client(url, queue=second) as sync_client:  # in a thread: the workers share this event loop
+            await asyncio.to_thread(sync_client.check)
+            result = await asyncio.to_thread(sync_client.generate, "sync", max_new_tokens=4, timeout=30)
+            assert result.token_ids == expected_tokens(list(b"sync"), 4)
+        assert await asyncio.to_thread(cli, ["status", "--url", url, "--queue", first, "--json"]) == 0
+        assert f'"queue": "{first}"' in capsys.readouterr().out
+
+
+async def test_a_plain_url_to_a_cluster_node_or_a_sentinel_is_refused_naming_the_url_that_works(
+    redis_cluster: RedisClusterSet, sentinel_set: SentinelSet, capsys: pytest.CaptureFixture[str]
+) -> None:
+    node = redis_cluster.masters()[0]
+    for url, scheme in ((node.url, "redis+cluster://"), (sentinel_set.sentinels[0].url, "redis+sentinel://")):
+        redis = open_async(url)
+        with pytest.raises(WrongDeployment, match=scheme.replace("+", r"\+")):
+            await check_async(redis, url)
+        await redis.aclose()
+    # the CLI on a plain URL to a node that does not own the queue's slot: explained, not a bare MOVED payload
+    other = redis_cluster.queue_on(redis_cluster.masters()[1])
+    assert await asyncio.to_thread(cli, ["status", "--url", node.url, "--queue", other]) == 1
+    assert "redis+cluster://" in capsys.readouterr().err
+
+
+async def _stream_through(client: AsyncClient, count: int, fault: asyncio.Future[None]) -> list[list[int]]:
+    """`count` requests streamed to the end while `fault` happens; each one's tokens in order, gaps checked."""
+    jobs = [await client.submit(f"request {i}", max_new_tokens=TOKENS) for i in range(count)]
+
+    async def follow(job: object) -> list[int]:
+        tokens: list[int] = []
+        async for delta in job.stream(timeout=60):  # type: ignore[attr-defined]
+            assert delta.seq == len(tokens), "no gap, no duplicate"
+            tokens += delta.token_ids
+        return tokens
+
+    outputs = await asyncio.gather(*(follow(job) for job in jobs), fault)
+    return list(outputs[:count])
+
+
+def _check_outputs(outputs: list[list[int]]) -> None:
+    for i, tokens in enumerate(outputs):
+        assert tokens == expected_tokens(list(f"request {i}".encode()), TOKENS), f"request {i}"
+
+
+async def test_a_cluster_master_killed_while_requests_stream_loses_nothing(
+    redis_cluster: RedisClusterSet, tmp_path: Path
+) -> None:
+    queue = redis_cluster.queues_on_different_masters()[0]
+    url = redis_cluster.seed_url
+    async with serving(url, queue, tmp_path, step_s=0.01), AsyncClient(url, queue=queue) as client:
+
+        async def kill_the_queues_master() -> None:
+            await asyncio.sleep(1.0)
+            master = redis_cluster.master_for_key(Keys(queue).requests)
+            redis_cluster.kill_master(master)
+            await asyncio.to_thread(redis_cluster.wait_for_promotion, master)
+
+        _check_outputs(await _stream_through(client, 20, asyncio.ensure_future(kill_the_queues_master())))
+        after = await client.submit("after", max_new_tokens=5)
+        assert (await after.result(timeout=30)).token_ids == expected_tokens(list(b"after"), 5)
+
+
+@pytest.mark.parametrize("fault", ["kill -9", "SENTINEL FAILOVER"])
+async def test_a_sentinel_master_lost_while_requests_stream_loses_nothing(
+    sentinel_set: SentinelSet, tmp_path: Path, fault: str
+) -> None:
+    """Through SENTINEL FAILOVER the old master lives on as a replica: a worker still connected to it reads
+    READONLY, which must send it to the new master, not wedge it."""
+    url = sentinel_set.url
+    async with serving(url, "default", tmp_path, step_s=0.01), AsyncClient(url) as client:
+
+        async def lose_the_master() -> None:
+            await asyncio.sleep(1.0)
+            if fault == "kill -9":
+                old = sentinel_set.kill_master()
+                await asyncio.to_thread(sentinel_set.wait_for_new_master, old)
+            else:
+                await asyncio.to_thread(sentinel_set.failover)
+
+        _check_outputs(await _stream_through(client, 20, asyncio.ensure_future(lose_the_master())))
+        after = await client.submit("after", max_new_tokens=5)
+        assert (await after.result(timeout=30)).token_ids == expected_tokens(list(b"after"), 5)
+        assert len((await client.status()).workers) == 1
