@@ -42,7 +42,7 @@ async def list_models(request: Request) -> Response:
     try:
         served = await gateway.models.served()
     except Exception as error:
-        return from_exception(error, retry_after_s=gateway.settings.retry_after_s).response()
+        return _directory_failed(gateway, request, error)
     return JSONResponse({"object": "list", "data": [_model_object(m) for m in served.values()]})
 
 
@@ -52,10 +52,18 @@ async def get_model(request: Request) -> Response:
     try:
         served = await gateway.models.served()
     except Exception as error:
-        return from_exception(error, retry_after_s=gateway.settings.retry_after_s).response()
+        return _directory_failed(gateway, request, error)
     if name not in served:
         return unknown_model(name, sorted(served)).response()
     return JSONResponse(_model_object(served[name]))
+
+
+def _directory_failed(gateway: Gateway, request: Request, error: Exception) -> Response:
+    """The answer when the model directory cannot be read: an outage is a 503; anything else, a 500, is logged."""
+    answer = from_exception(error, retry_after_s=gateway.settings.retry_after_s)
+    if answer.code == "internal":
+        gateway.log.error("models_failed", route=request.url.path, error=repr(error))
+    return answer.response()
 
 
 async def health(request: Request) -> Response:
@@ -64,6 +72,7 @@ async def health(request: Request) -> Response:
     try:
         served = await gateway.models.served()
     except Exception as error:
+        gateway.log.warning("health_failed", error=repr(error))
         return JSONResponse({"status": "unavailable", "error": type(error).__name__}, status_code=503)
     return JSONResponse({"status": "ok", "models": sorted(served)})
 

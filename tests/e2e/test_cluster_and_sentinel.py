@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +19,7 @@ from client import AsyncClient, Cancelled, Client
 from client.cli import main as cli
 from client.connection import WrongDeployment, check_async, open_async
 from client.store import Keys
+from tests.polling import wait_until
 from tests.redis_topologies import RedisClusterSet, SentinelSet
 from tests.scripted_engine import ScriptedEngine, expected_tokens
 from tests.worker.conftest import worker_settings
@@ -28,9 +30,11 @@ TOKENS = 300  # at 10 ms a step a request streams for 3 s: long enough to be cut
 
 
 @contextlib.asynccontextmanager
-async def serving(url: str, queue: str, tmp_path: Path, step_s: float = 0.002) -> AsyncIterator[Worker]:
+async def serving(
+    url: str, queue: str, tmp_path: Path, step_s: float = 0.002, model: str = "model"
+) -> AsyncIterator[Worker]:
     """One in-process worker on `queue`, connected as `python -m worker` connects (`open_async`)."""
-    settings = worker_settings(url, tmp_path / "model", queue=queue)
+    settings = worker_settings(url, tmp_path / model, queue=queue)
     engine = ScriptedEngine(step_s=step_s, max_running=32, kv_cache_tokens=32768, page_size=16, max_batch_tokens=512)
     redis = open_async(url, socket_timeout=5, socket_connect_timeout=2)
     worker = Worker(settings, engine, redis)
@@ -73,6 +77,29 @@ async def test_every_public_operation_on_a_cluster_with_queues_on_two_shards(
             assert result.token_ids == expected_tokens(list(b"sync"), 4)
         assert await asyncio.to_thread(cli, ["status", "--url", url, "--queue", first, "--json"]) == 0
         assert f'"queue": "{first}"' in capsys.readouterr().out
+
+
+async def test_the_gateway_serves_queues_on_two_shards(
+    redis_cluster: RedisClusterSet, tmp_path: Path, gateway: Any
+) -> None:
+    first, second = redis_cluster.queues_on_different_masters()
+    url = redis_cluster.seed_url
+    async with serving(url, first, tmp_path, model="model-a"), serving(url, second, tmp_path, model="model-b"):
+        served = await gateway(redis_url=url, queues=f"{first},{second}")
+        models = {str(tmp_path / "model-a"): first, str(tmp_path / "model-b"): second}
+
+        async def both_listed() -> bool:
+            async with served.http() as http:
+                return len((await http.get("/v1/models")).json()["data"]) == 2
+
+        await wait_until(both_listed)
+        async with served.http() as http:
+            health = await http.get("/health")
+        assert health.status_code == 200 and health.json()["models"] == sorted(models)
+        sdk = served.sdk()
+        for model in models:
+            answer = await sdk.completions.create(model=model, prompt="hi", max_tokens=3)
+            assert answer.choices[0].text == "".join(f"<{t}>" for t in expected_tokens(list(b"hi"), 3))
 
 
 async def test_a_plain_url_to_a_cluster_node_or_a_sentinel_is_refused_naming_the_url_that_works(
