@@ -42,7 +42,9 @@ class GatewaySettings(BaseSettings, LimitSettings):
     retry_after_s: int = Field(default=1, ge=0, description="Retry-After of a 429 (queue full)")
 
     # Redis and the queues
-    redis_url: SecretStr = Field(default=SecretStr("redis://localhost:6379/0"), description="redis:// or rediss:// URL")
+    redis_url: SecretStr = Field(
+        default=SecretStr("redis://localhost:6379/0"), description="a Redis URL, of any form the worker's takes"
+    )
     redis_ca_file: Path | None = Field(default=None, description="CA bundle for rediss:// (TLS)")
     prefix: str = Field(default=DEFAULT_PREFIX, description="key prefix of the deployment")
     queues: str = Field(default="default", description="comma-separated queues whose workers' models are served")

@@ -37,7 +37,11 @@ class Settings(BaseSettings, LimitSettings):
     )
 
     # Redis and the queue
-    redis_url: SecretStr = Field(SecretStr("redis://localhost:6379/0"), description="redis:// or rediss:// URL")
+    redis_url: SecretStr = Field(
+        SecretStr("redis://localhost:6379/0"),
+        description="redis://, rediss://, unix://, redis+cluster://host:port[,host:port...] or "
+        "redis+sentinel://host[:port][,...]/<service>[/db] (TLS: rediss+cluster://, rediss+sentinel://)",
+    )
     redis_ca_file: Path | None = Field(None, description="CA bundle for rediss:// (TLS)")
     queue: str = Field("default", description="queue name; keys are {<prefix>:<queue>}:*")
     prefix: str = Field(DEFAULT_PREFIX, description="key prefix, so deployments can share a Redis")

@@ -37,7 +37,10 @@ async def serve(settings: Settings, *, handle_signals: bool = True) -> None:
     configure(settings.log_format, settings.log_level)
     log = get_logger(worker=settings.worker_id)
     url = redact(settings.redis_url.get_secret_value())
-    redis = connect(settings)
+    try:
+        redis = connect(settings)
+    except ValueError as error:  # a URL that is no Redis URL, a CA file without TLS
+        raise RedisUnavailable(f"cannot use Redis at {url}: {error}") from None
     try:
         await check_async(redis, settings.redis_url.get_secret_value())  # in a second, not after loading the model
     except Exception as error:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -115,6 +117,27 @@ async def test_a_plain_url_to_a_cluster_node_or_a_sentinel_is_refused_naming_the
     other = redis_cluster.queue_on(redis_cluster.masters()[1])
     assert await asyncio.to_thread(cli, ["status", "--url", node.url, "--queue", other]) == 1
     assert "redis+cluster://" in capsys.readouterr().err
+
+
+def test_the_worker_process_refuses_a_wrong_url_before_loading_its_model(
+    redis_cluster: RedisClusterSet, sentinel_set: SentinelSet, tmp_path: Path
+) -> None:
+    wrong = {
+        redis_cluster.masters()[0].url: "redis+cluster://",
+        sentinel_set.sentinels[0].url: "redis+sentinel://",
+        sentinel_set.url.partition("?")[0].rpartition("/")[0]: "names its service",  # no service name
+        "http://127.0.0.1:1": "not a Redis URL",
+    }
+    for url, message in wrong.items():
+        run = subprocess.run(
+            [sys.executable, "-m", "worker", "--redis-url", url, "--model", str(tmp_path / "no-such-model")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode != 0 and message in run.stderr, run.stderr
+        assert "Traceback" not in run.stderr and "no-such-model" not in run.stderr  # refused before the model
+        assert "secret" not in run.stderr
 
 
 async def _stream_through(client: AsyncClient, count: int, fault: asyncio.Future[None]) -> list[list[int]]:
