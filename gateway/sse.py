@@ -30,9 +30,15 @@ class ClientGone(Exception):
     """The HTTP client disconnected before its answer was complete."""
 
 
+# Characters that Python's str.splitlines (httpx's iter_lines, many SSE readers) takes for line breaks and JSON
+# leaves raw: escaped, so a model that writes one cannot split an event in two.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def event(data: dict[str, Any]) -> bytes:
-    """One SSE event carrying `data` as compact JSON."""
-    return b"data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    """One SSE event carrying `data` as compact JSON, on one line for any reader."""
+    text = json.dumps(data, separators=(",", ":"), ensure_ascii=False).translate(_LINE_BREAKS)
+    return b"data: " + text.encode() + b"\n\n"
 
 
 async def until_disconnected(receive: Receive) -> None:

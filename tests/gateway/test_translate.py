@@ -3,6 +3,7 @@ the timeout header and API key checks."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from client.openai_format import CHAT, COMPLETIONS, FieldError, lane_for, logpro
 from gateway.auth import authorized
 from gateway.completions import request_timeout
 from gateway.errors import APIError, from_exception
+from gateway.sse import event
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -211,3 +213,10 @@ def test_bearer_keys() -> None:
     assert authorized("Bearer k2", keys) and authorized("bearer k1", keys)
     for header in (None, "", "Bearer", "Bearer k3", "Basic k1", "k1", "Bearer k1x"):
         assert not authorized(header, keys), header
+
+
+def test_an_event_stays_one_line_for_readers_that_split_on_unicode_line_breaks() -> None:
+    text = "a\u2028b\x85c\u2029d\ne"  # a model may write any of these; httpx's iter_lines breaks at each
+    lines = event({"text": text}).decode().splitlines()
+    assert len(lines) == 2 and lines[1] == "" and lines[0].startswith("data: ")
+    assert json.loads(lines[0].removeprefix("data: ")) == {"text": text}
