@@ -34,6 +34,14 @@ K8S = ROOT / "deploy" / "k8s"
 BASE, GPU = K8S / "base", K8S / "gpu"
 SECRET_EXAMPLE = K8S / "secret.example.yaml"
 PROMETHEUS_ALTERNATIVE = K8S / "alternatives" / "scaledobject-prometheus.yaml"
+# Trigger type and the Secret keys its TriggerAuthentication reads, per Redis topology.
+TOPOLOGY_ALTERNATIVES = {
+    K8S / "alternatives" / "scaledobject-redis-cluster.yaml": ("redis-cluster-streams", {"addresses", "password"}),
+    K8S / "alternatives" / "scaledobject-redis-sentinel.yaml": (
+        "redis-sentinel-streams",
+        {"addresses", "password", "sentinelPassword"},
+    ),
+}
 KEDA_CRDS = ROOT / "tests" / "data" / "keda"
 KUBERNETES_VERSION = "1.30.0"  # a version kubernetes-validate ships schemas for, and still widely run
 CORE_KINDS = {"Namespace", "ConfigMap", "Secret", "Deployment", "Service"}
@@ -145,6 +153,7 @@ def every_object() -> list[tuple[str, Obj]]:
     out += [(f"gpu:{k}/{n}", obj) for obj in rendered(GPU) for k, n in [key(obj)]]
     out += [("secret.example.yaml", secret())]
     out += [(PROMETHEUS_ALTERNATIVE.name, obj) for obj in load(PROMETHEUS_ALTERNATIVE)]
+    out += [(path.name, obj) for path in TOPOLOGY_ALTERNATIVES for obj in load(path)]
     return out
 
 
@@ -510,6 +519,25 @@ def test_prometheus_alternative_replaces_the_default_scaled_object() -> None:
     assert "llmq:backlog_seconds" in trigger["metadata"]["query"]
     assert float(trigger["metadata"]["threshold"]) > 0
     assert alternative["spec"]["minReplicaCount"] >= 1  # no gauge without a worker: no scale from zero
+
+
+@pytest.mark.parametrize("path", list(TOPOLOGY_ALTERNATIVES), ids=lambda path: path.stem)
+def test_cluster_and_sentinel_alternatives_read_the_default_counts_through_their_own_trigger(path: Path) -> None:
+    trigger_type, parameters = TOPOLOGY_ALTERNATIVES[path]
+    alternative, authentication = load(path)
+    default = one(rendered(BASE), "ScaledObject")
+    assert key(alternative) == key(default)  # replaces the default (KEDA refuses two on one Deployment)
+    assert path.name not in str(kustomization(BASE)) + str(kustomization(GPU))
+    assert {k: v for k, v in alternative["spec"].items() if k != "triggers"} == {
+        k: v for k, v in default["spec"].items() if k != "triggers"
+    }
+    pairs = zip(alternative["spec"]["triggers"], default["spec"]["triggers"], strict=True)
+    for trigger, twin in pairs:
+        assert trigger["type"] == trigger_type and trigger["name"] == twin["name"]
+        assert trigger["authenticationRef"]["name"] == authentication["metadata"]["name"]
+        for field in ("stream", "consumerGroup", "lagCount", "pendingEntriesCount", "enableTLS"):
+            assert trigger["metadata"].get(field) == twin["metadata"].get(field), field
+    assert {ref["parameter"] for ref in authentication["spec"]["secretTargetRef"]} == parameters
 
 
 # --- the preStop hook, run against a stand-in for the worker ----------------------------------------------------
