@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from bench.workload import print_json
 from client import AsyncClient
+from client.connection import open_async
 from client.store import Keys
 from worker.embedded_redis import RedisServer
 
@@ -54,7 +55,7 @@ async def run_worker(url: str, step_s: float, max_running: int, name: str) -> No
     )
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    async with Redis.from_url(url) as redis:
+    async with open_async(url) as redis:  # any Redis URL: bench.failover runs these on a Cluster and a Sentinel set
         await Worker(settings, ScriptedEngine(step_s=step_s, max_running=max_running), redis).run(stop)
 
 
@@ -114,7 +115,7 @@ async def with_workers(url: str, count: int, step_s: float, max_running: int, lo
             worker.terminate()
         for worker in workers:
             worker.wait(timeout=60)
-        async with Redis.from_url(url) as redis:  # clear heartbeats so the next round counts its own workers
+        async with open_async(url) as redis:  # clear heartbeats so the next round counts its own workers
             await redis.delete(KEYS.workers)
 
 

@@ -197,37 +197,56 @@ def _sentinel_kwargs(address: RedisAddress, connection: dict[str, Any]) -> dict[
     return {**({"ssl": True} if address.tls else {}), **tls, **address.sentinel_credentials}
 
 
+@dataclass(frozen=True)
+class _Flavour:
+    """redis-py's classes for one I/O model: the two trees mirror each other."""
+
+    redis: Any
+    blocking_pool: Any
+    pool: Any
+    cluster: Any
+    cluster_node: Any
+    sentinel: Any
+
+
+_ASYNC = _Flavour(
+    aioredis.Redis,
+    aioredis.BlockingConnectionPool,
+    aioredis.ConnectionPool,
+    aioredis.RedisCluster,
+    AsyncClusterNode,
+    AsyncSentinel,
+)
+_SYNC = _Flavour(
+    redis.Redis, redis.BlockingConnectionPool, redis.ConnectionPool, redis.RedisCluster, ClusterNode, Sentinel
+)
+
+
 def open_async(url: str, *, ssl_ca_certs: str | None = None, **kwargs: Any) -> Any:
     """An asyncio client for `url`: `redis.asyncio.Redis` (over a blocking pool when `max_connections` is given,
     so callers wait for a free connection), or `redis.asyncio.RedisCluster`. `kwargs` go to the connections."""
-    address = parse_url(url)
-    options = _connection_kwargs(address, ssl_ca_certs, kwargs)
-    if address.kind == "standalone":
-        pool_class = aioredis.BlockingConnectionPool if "max_connections" in options else aioredis.ConnectionPool
-        return aioredis.Redis.from_pool(pool_class.from_url(url, **options))
-    options = {key: value for key, value in options.items() if key not in _BLOCKING_POOL_ONLY}
-    if address.kind == "cluster":
-        nodes = [AsyncClusterNode(host, port) for host, port in address.hosts]
-        return aioredis.RedisCluster(startup_nodes=nodes, ssl=address.tls, **_credentials(address), **options)
-    sentinel = AsyncSentinel(
-        list(address.hosts), sentinel_kwargs=_sentinel_kwargs(address, options), ssl=address.tls, **options
-    )
-    return sentinel.master_for(address.service_name, db=address.db, **_credentials(address))
+    return _open(_ASYNC, url, ssl_ca_certs, kwargs)
 
 
 def open_sync(url: str, *, ssl_ca_certs: str | None = None, **kwargs: Any) -> Any:
     """The blocking twin of `open_async`: `redis.Redis` or `redis.RedisCluster`."""
+    return _open(_SYNC, url, ssl_ca_certs, kwargs)
+
+
+def _open(flavour: _Flavour, url: str, ssl_ca_certs: str | None, kwargs: dict[str, Any]) -> Any:
     address = parse_url(url)
     options = _connection_kwargs(address, ssl_ca_certs, kwargs)
     if address.kind == "standalone":
-        pool_class = redis.BlockingConnectionPool if "max_connections" in options else redis.ConnectionPool
-        return redis.Redis.from_pool(pool_class.from_url(url, **options))
+        pool_class = flavour.blocking_pool if "max_connections" in options else flavour.pool
+        return flavour.redis.from_pool(pool_class.from_url(url, **options))
     options = {key: value for key, value in options.items() if key not in _BLOCKING_POOL_ONLY}
     if address.kind == "cluster":
-        nodes = [ClusterNode(host, port) for host, port in address.hosts]
-        return redis.RedisCluster(startup_nodes=nodes, ssl=address.tls, **_credentials(address), **options)
+        nodes = [flavour.cluster_node(host, port) for host, port in address.hosts]
+        return flavour.cluster(startup_nodes=nodes, ssl=address.tls, **_credentials(address), **options)
     sentinels = list(address.hosts)
-    sentinel = Sentinel(sentinels, sentinel_kwargs=_sentinel_kwargs(address, options), ssl=address.tls, **options)
+    sentinel = flavour.sentinel(
+        sentinels, sentinel_kwargs=_sentinel_kwargs(address, options), ssl=address.tls, **options
+    )
     return sentinel.master_for(address.service_name, db=address.db, **_credentials(address))
 
 
@@ -253,7 +272,9 @@ def _refuse_wrong_deployment(url: str, server_info: Mapping[str, Any]) -> None:
     reaches a Sentinel with unknown commands: both are refused up front, naming the URL that works."""
     mode, port = server_info.get("redis_mode", "standalone"), server_info.get("tcp_port", "<port>")
     if mode == "cluster":
-        raise WrongDeployment(f"{redact_url(url)} reaches a Redis Cluster node: connect with redis+cluster://<host>:{port}")
+        raise WrongDeployment(
+            f"{redact_url(url)} reaches a Redis Cluster node: connect with redis+cluster://<host>:{port}"
+        )
     if mode == "sentinel":
         raise WrongDeployment(
             f"{redact_url(url)} reaches a Sentinel, not a Redis: connect with redis+sentinel://<host>:{port}/<service>"
