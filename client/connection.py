@@ -78,7 +78,10 @@ def parse_url(url: str) -> RedisAddress:
     kind, tls = _SCHEMES[scheme]
     if kind == "standalone":
         return RedisAddress(url, kind, tls)
-    parts = urlsplit(f"redis://{rest}")
+    try:
+        parts = urlsplit(f"redis://{rest}")
+    except ValueError as error:  # an unclosed [ of an IPv6 address
+        raise ValueError(f"{redact_url(url)}: {error}") from None
     userinfo, _, netloc = parts.netloc.rpartition("@")
     username, _, password = userinfo.partition(":")
     default_port = SENTINEL_PORT if kind == "sentinel" else None
@@ -136,7 +139,10 @@ def _path(kind: Kind, path: list[str], url: str) -> tuple[str, int]:
 def redact_url(url: str) -> str:
     """The URL with its passwords (the user's and the sentinels') replaced by `***`, for messages and logs."""
     scheme, _, rest = url.partition("://")
-    parts = urlsplit(f"redis://{rest}")
+    try:
+        parts = urlsplit(f"redis://{rest}")
+    except ValueError:
+        return f"{scheme}://***"  # unreadable: show nothing that could be a password
     userinfo, at, hosts = parts.netloc.rpartition("@")
     if at and ":" in userinfo:
         userinfo = f"{userinfo.partition(':')[0]}:***"

@@ -34,6 +34,7 @@ def test_a_sentinel_url_names_its_sentinels_service_db_and_the_sentinels_own_cre
         ("redis+sentinel://h:26379", "names its service"),
         ("redis+sentinel://h/svc/x", "bad database"),
         ("redis+sentinel://:secret@h/svc?sentinel_pasword=x", "unknown option"),
+        ("redis+cluster://:secret@[::1:7000", "Invalid IPv6"),
     ],
 )
 def test_bad_urls_are_refused_without_showing_passwords(url: str, message: str) -> None:
