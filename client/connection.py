@@ -259,7 +259,7 @@ def _open(flavour: _Flavour, url: str, ssl_ca_certs: str | None, kwargs: dict[st
 async def check_async(client: Any, url: str) -> None:
     """Fails fast, before any real work, where `url` cannot serve: unreachable, refused credentials (redis-py's
     errors), or a deployment of another kind than the URL says (`WrongDeployment`)."""
-    if parse_url(url).kind != "standalone":
+    if is_cluster(client) or parse_url(url).kind != "standalone":
         await client.ping()
         return
     _refuse_wrong_deployment(url, await client.info("server"))
@@ -267,7 +267,7 @@ async def check_async(client: Any, url: str) -> None:
 
 def check_sync(client: Any, url: str) -> None:
     """The blocking twin of `check_async`."""
-    if parse_url(url).kind != "standalone":
+    if is_cluster(client) or parse_url(url).kind != "standalone":
         client.ping()
         return
     _refuse_wrong_deployment(url, client.info("server"))
