@@ -46,7 +46,8 @@ class AsyncClient(BaseClient):
         it is not closed by `aclose`.
     :param redis_kwargs: passed to `redis.asyncio.BlockingConnectionPool.from_url`; by default the client
         holds at most 4 connections (`max_connections`) for all its work: one reader follows every awaited
-        job's result stream, and calls wait for a free connection rather than fail.
+        job's result stream, and calls wait for a free connection rather than fail. On a Cluster or Sentinel URL
+        (redis-py's pools there cannot wait) the pools open what the calls need.
     """
 
     _redis: aioredis.Redis

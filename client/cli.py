@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from client._core import DEFAULT_URL
 from client.batch import run_batch
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with Client(args.url, queue=args.queue, prefix=args.prefix) as client:
             return run(client, args)
-    except RedisError as exc:
+    except (RedisError, RedisClusterException) as exc:  # the latter: a cluster URL that reaches no node
         print(f"llmq: error: {_scrub(explain(exc, args.url), args.url)} ({redact_url(args.url)})", file=sys.stderr)
     except (LLMQError, ValueError, TypeError) as exc:
         print(f"llmq: error: {_scrub(str(exc), args.url)}", file=sys.stderr)

@@ -42,8 +42,10 @@ _SCHEMES: dict[str, tuple[Kind, bool]] = {
     "rediss+sentinel": ("sentinel", True),
 }
 _SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password")
-# Options a standalone pool takes that a cluster's or a sentinel's pools do not (they are not blocking pools).
-_BLOCKING_POOL_ONLY = ("timeout",)
+# A blocking pool's options: a bound callers wait under. redis-py's cluster and sentinel pools do not block; with
+# a bound, the call past it fails (MaxConnectionsError) instead of waiting, so there they hold what they need.
+_BLOCKING_POOL_ONLY = ("timeout", "max_connections")
+_UNBOUNDED = 2**31
 
 
 class WrongDeployment(LLMQError, ValueError):
@@ -230,7 +232,8 @@ _SYNC = _Flavour(
 
 def open_async(url: str, *, ssl_ca_certs: str | None = None, **kwargs: Any) -> Any:
     """An asyncio client for `url`: `redis.asyncio.Redis` (over a blocking pool when `max_connections` is given,
-    so callers wait for a free connection), or `redis.asyncio.RedisCluster`. `kwargs` go to the connections."""
+    so callers wait for a free connection; a Cluster's and a Sentinel's pools are unbounded instead, as redis-py's
+    cannot wait), or `redis.asyncio.RedisCluster`. `kwargs` go to the connections."""
     return _open(_ASYNC, url, ssl_ca_certs, kwargs)
 
 
@@ -246,6 +249,7 @@ def _open(flavour: _Flavour, url: str, ssl_ca_certs: str | None, kwargs: dict[st
         pool_class = flavour.blocking_pool if "max_connections" in options else flavour.pool
         return flavour.redis.from_pool(pool_class.from_url(url, **options))
     options = {key: value for key, value in options.items() if key not in _BLOCKING_POOL_ONLY}
+    options["max_connections"] = _UNBOUNDED  # redis-py's asyncio default (100) would fail the 101st concurrent call
     if address.kind == "cluster":
         nodes = [flavour.cluster_node(host, port) for host, port in address.hosts]
         return flavour.cluster(startup_nodes=nodes, ssl=address.tls, **_credentials(address), **options)

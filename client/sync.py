@@ -52,7 +52,8 @@ class Client(BaseClient):
         it is not closed by `close`.
     :param redis_kwargs: passed to `redis.BlockingConnectionPool.from_url`; by default the client holds at
         most 4 connections (`max_connections`) for all its work, whatever the number of threads: one reader
-        thread follows every awaited job's result stream, and calls wait for a free connection.
+        thread follows every awaited job's result stream, and calls wait for a free connection. On a Cluster or
+        Sentinel URL (redis-py's pools there cannot wait) the pools open what the calls need.
     """
 
     _redis: Redis
