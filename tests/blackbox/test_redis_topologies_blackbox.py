@@ -25,6 +25,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -60,10 +61,6 @@ SECRETS = (
     *("data secret", "data%20secret", "watch:secret", "watch%3Asecret", "secret"),
     *("hunter2", "wrong pass", "wrong%20pass"),  # the wrong passwords these tests pass on purpose
 )
-# The clients' default pool is 4 connections; on Cluster and Sentinel URLs it does not wait for a free one
-# (see test_one_client_shared_by_many_callers_waits_for_connections_on_every_topology), so tests that drive one
-# client from many tasks or threads give it room.
-ROOMY = 128
 
 
 def ids_of(prompt: str) -> list[int]:
@@ -107,6 +104,17 @@ async def terminal_events(url: str, keys: Keys, request_ids: list[str]) -> Count
         return counts
     finally:
         await raw.aclose()
+
+
+def join_client_threads(timeout: float = 10.0) -> None:
+    """Waits for closed sync clients' threads (`llmq-*`) to end. In the xfail tests below they would still be
+    retrying when pytest reports the expected failure, and on CPython 3.11 `ast.parse` (pytest reads the failing
+    source with it) can raise SystemError 'AST constructor recursion depth mismatch' while another thread runs
+    (python/cpython#106905, pytest-dev/pytest#10763): it ended one run of this file in an INTERNALERROR."""
+    deadline = time.monotonic() + timeout
+    for thread in threading.enumerate():
+        if thread.name.startswith("llmq-") and thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 @pytest.fixture
@@ -249,7 +257,8 @@ def test_the_worker_log_redaction_hides_the_password_of_any_url_a_user_passes(ur
 
 
 def test_llmq_explains_a_cluster_url_that_reaches_no_node(capsys: pytest.CaptureFixture[str]) -> None:
-    """`llmq status --url redis+cluster://<nothing listening>` prints a traceback today, not one line."""
+    """`llmq status --url redis+cluster://<nothing listening>`: one line, not a traceback (redis-py raises
+    RedisClusterException there, which is no RedisError)."""
     url = f"redis+cluster://:hunter2@{HOST}:{free_port()}"
     assert cli(["status", "--url", url, "--queue", "q"]) == 1
     err = capsys.readouterr().err
@@ -284,7 +293,7 @@ async def test_210_short_requests_over_3_queues_on_3_shards_each_end_once(
         ]
 
         def through_the_sync_client() -> list[Any]:
-            with Client(url, queue=queues[0], max_connections=ROOMY) as sync:
+            with Client(url, queue=queues[0]) as sync:
                 return list(sync.submit_many(more, window=16, timeout=90))
 
         outputs, outcomes = await asyncio.gather(
@@ -370,8 +379,8 @@ async def test_cancels_racing_completion_on_two_shards_end_every_request_exactly
     async with (
         serving(url, first, tmp_path),
         serving(url, second, tmp_path),
-        AsyncClient(url, queue=first, max_connections=ROOMY) as client,
-        AsyncClient(url, queue=second, max_connections=ROOMY) as other,
+        AsyncClient(url, queue=first) as client,
+        AsyncClient(url, queue=second) as other,
     ):
         await other.check()  # its first call must not be a cancel (see the xfail test below)
         short = {f"race {i}": (first, second)[i % 2] for i in range(48)}
@@ -492,7 +501,9 @@ async def streams_in_threads(
 
 
 @pytest.mark.xfail(
-    strict=False, raises=(AssertionError, TimeoutError), reason="bug: clients fail or hang on CLUSTERDOWN"
+    strict=False,
+    raises=(AssertionError, TimeoutError, AttributeError),  # AttributeError: the worker died too (see below)
+    reason="bug: clients fail or hang on CLUSTERDOWN",
 )
 async def test_streams_on_a_healthy_shard_survive_a_short_outage_of_another_shard(
     redis_cluster: RedisClusterSet, tmp_path: Path
@@ -501,20 +512,22 @@ async def test_streams_on_a_healthy_shard_survive_a_short_outage_of_another_shar
     streams of the other shards must go on. Today the sync client's reader takes CLUSTERDOWN for fatal and fails
     every stream it follows (ClusterDownError), and the async client's reader task dies silently, so its streams
     hang until their timeout although the worker wrote every answer. (The shorter CLUSTERDOWN window of a plain
-    failover hits the sync client now and then too.)"""
+    failover hits the sync client now and then too.) About one run in five the worker dies as well: redis-py's
+    asyncio cluster raises AttributeError ('NoneType' object has no attribute 'writelines') from a connection
+    torn down under it, and `Worker.run`'s loops, which catch RedisError only, let it out."""
     masters = redis_cluster.masters()
     queue = redis_cluster.queue_on(masters[2])
     down, replica = masters[1], redis_cluster.replicas_of(masters[1])[0]
     url = redis_cluster.seed_url
     async with (
         serving(url, queue, tmp_path, step_s=0.01),
-        AsyncClient(url, queue=queue, max_connections=ROOMY) as client,
+        AsyncClient(url, queue=queue) as client,
     ):
         async_jobs = {f"async {i}": await client.submit(f"async {i}", max_new_tokens=LONG) for i in range(6)}
         async_seen: dict[str, list[int]] = {prompt: [] for prompt in async_jobs}
 
         async def follow_async(prompt: str) -> list[int]:
-            async for delta in async_jobs[prompt].stream(timeout=25):
+            async for delta in async_jobs[prompt].stream(timeout=20):
                 async_seen[prompt] += delta.token_ids
             return async_seen[prompt]
 
@@ -526,9 +539,12 @@ async def test_streams_on_a_healthy_shard_survive_a_short_outage_of_another_shar
             await asyncio.to_thread(redis_cluster.restart, down)
 
         following = asyncio.gather(*(follow_async(prompt) for prompt in async_jobs), return_exceptions=True)
-        with Client(url, queue=queue, max_connections=ROOMY) as sync:
-            work = [(f"sync {i}", queue) for i in range(6)]
-            sync_outputs = await streams_in_threads(sync, work, outage, return_exceptions=True)
+        try:
+            with Client(url, queue=queue) as sync:
+                work = [(f"sync {i}", queue) for i in range(6)]
+                sync_outputs = await streams_in_threads(sync, work, outage, return_exceptions=True)
+        finally:
+            await asyncio.to_thread(join_client_threads)
         async_outputs = await following
     outputs = {"sync": sync_outputs, "async": async_outputs}
     failed = {
@@ -555,13 +571,16 @@ async def test_the_sync_client_reads_results_after_the_first_master_is_killed(
     masters = redis_cluster.masters()
     queue = redis_cluster.queue_on(masters[2])  # a shard that stays up
     async with serving(redis_cluster.seed_url, queue, tmp_path):
-        with Client(redis_cluster.seed_url, queue=queue) as client:
-            before = await asyncio.to_thread(client.generate, "before", max_new_tokens=4, timeout=30)
-            assert before.token_ids == expected_tokens(ids_of("before"), 4)
-            redis_cluster.kill_master(masters[0])
-            await asyncio.to_thread(redis_cluster.wait_for_promotion, masters[0], 40)
-            after = await asyncio.to_thread(client.generate, "after", max_new_tokens=4, timeout=4)
-            assert after.token_ids == expected_tokens(ids_of("after"), 4)
+        try:
+            with Client(redis_cluster.seed_url, queue=queue) as client:
+                before = await asyncio.to_thread(client.generate, "before", max_new_tokens=4, timeout=30)
+                assert before.token_ids == expected_tokens(ids_of("before"), 4)
+                redis_cluster.kill_master(masters[0])
+                await asyncio.to_thread(redis_cluster.wait_for_promotion, masters[0], 40)
+                after = await asyncio.to_thread(client.generate, "after", max_new_tokens=4, timeout=4)
+                assert after.token_ids == expected_tokens(ids_of("after"), 4)
+        finally:
+            await asyncio.to_thread(join_client_threads)  # its reader thread retries connection refused meanwhile
 
 
 @pytest.mark.xfail(strict=False, raises=RuntimeError, reason="bug: 'Event loop is closed' from redis-py's pipeline")
@@ -686,7 +705,7 @@ async def test_a_sentinel_master_killed_while_50_requests_stream_through_the_syn
         await asyncio.to_thread(sentinel_set.wait_for_new_master, old, 40)
 
     async with serving(url, "default", tmp_path, step_s=0.01):
-        with Client(url, max_connections=ROOMY) as client:
+        with Client(url) as client:
             work = [(f"thread {i}", "default") for i in range(50)]
             outputs = await streams_in_threads(client, work, kill_the_master)
             for (prompt, _), (_, tokens, reason) in zip(work, outputs, strict=True):
