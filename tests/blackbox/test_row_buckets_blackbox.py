@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional
 
+from tests.blackbox.test_cpu_engine_blackbox import one_thread  # noqa: F401  (fixture: torch on one thread)
 from tests.engine.conftest import reference_greedy
 from tests.tiny_models import save_tiny_model
 from worker.engine import (
@@ -330,15 +331,7 @@ def test_products_under_autograd_keep_their_rows() -> None:
 # ---------------------------------------------------------------------------------------------------- engine
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Torch on one thread: this shared 2-core machine runs benchmarks beside the tests. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # torch on one thread, benchmarks run beside the tests
 
 
 @pytest.fixture(scope="module")
