@@ -51,7 +51,10 @@ from worker.engine import (
 from worker.engine.prepack import PackedLinear, StackedLinears, row_bucket
 from worker.engine.quantize import Int8Linear
 
-pytestmark = pytest.mark.skipif(not prepack.available(), reason="needs torch with oneDNN")
+pytestmark = [
+    pytest.mark.skipif(not prepack.available(), reason="needs torch with oneDNN"),
+    pytest.mark.usefixtures("one_thread"),  # torch on one thread: benchmarks run beside the tests
+]
 
 FAST = settings(max_examples=40, deadline=None, database=None)
 TENSORS = settings(max_examples=25, deadline=None, database=None)
@@ -331,7 +334,6 @@ def test_products_under_autograd_keep_their_rows() -> None:
 # ---------------------------------------------------------------------------------------------------- engine
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # torch on one thread, benchmarks run beside the tests
 
 
 @pytest.fixture(scope="module")
