@@ -5,8 +5,24 @@ from pathlib import Path
 
 import pytest
 
-from tests.redis_topologies import RedisClusterSet, SentinelSet
+from testing.redis_topologies import RedisClusterSet, SentinelSet
 from worker.embedded_redis import RedisServer
+
+# Tiers follow from what a test uses, so no file has to remember its marker: `make test-fast` runs `unit`.
+_REDIS_FIXTURES = {"redis_server", "redis_cluster", "sentinel_set"}  # real redis-server processes
+_MODEL_FIXTURES = {"tiny_model_dir", "llama_dir", "model_dir", "make_engine", "live"}  # a model on disk, an engine
+_NOT_UNIT = ("redis", "model", "slow", "gpu")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        if used & _REDIS_FIXTURES:
+            item.add_marker(pytest.mark.redis)
+        if used & _MODEL_FIXTURES:
+            item.add_marker(pytest.mark.model)
+        if not any(item.get_closest_marker(name) for name in _NOT_UNIT):
+            item.add_marker(pytest.mark.unit)
 
 
 @pytest.fixture(scope="session")

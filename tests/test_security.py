@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from client import AsyncClient, Client
-from tests.tiny_models import save_tiny_model
+from client import AsyncClient, Client, RedisUnavailable
+from testing.certificates import make_certificates
+from testing.tiny_models import save_tiny_model
 from worker.config import Settings
 from worker.embedded_redis import RedisServer
 from worker.logging import redact
@@ -55,8 +56,9 @@ async def test_wrong_credentials_get_a_clear_error_without_the_password(
     auth_server: RedisServer, user: str, password: str
 ) -> None:
     async with AsyncClient(url(auth_server, user, password)) as client:
-        with pytest.raises(redis.AuthenticationError) as failure:
+        with pytest.raises(RedisUnavailable) as failure:  # at once: a refusal is not retried
             await client.status()
+    assert isinstance(failure.value.__cause__, redis.AuthenticationError)
     assert "password" in str(failure.value) and password not in str(failure.value)
 
 
@@ -80,50 +82,6 @@ def test_urls_are_redacted_in_logs() -> None:
         == "connecting to rediss://app:***@host:6380/0 now"
     )
     assert redact("redis://host:6379/0") == "redis://host:6379/0"
-
-
-def make_certificates(folder: Path) -> tuple[Path, Path, Path]:
-    """A throwaway CA and a server certificate for 127.0.0.1, made with the openssl CLI."""
-    ca_key, ca, key, csr, cert = (folder / n for n in ("ca.key", "ca.crt", "server.key", "server.csr", "server.crt"))
-    ext = folder / "ext.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for command in (
-        [
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            ca_key,
-            "-out",
-            ca,
-            "-days",
-            "1",
-            "-subj",
-            "/CN=llmq-test-ca",
-        ],
-        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
-        [
-            "x509",
-            "-req",
-            "-in",
-            csr,
-            "-CA",
-            ca,
-            "-CAkey",
-            ca_key,
-            "-CAcreateserial",
-            "-out",
-            cert,
-            "-days",
-            "1",
-            "-extfile",
-            ext,
-        ],
-    ):
-        subprocess.run(["openssl", *map(str, command)], check=True, capture_output=True)
-    return ca, cert, key
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import redis.asyncio as aioredis
 
 from client import protocol, store
 from client.cli import main
+from client.cli.exits import Exit
 from tests.client.twins import KEYS, done, emit, tokens
 from worker.embedded_redis import free_port
 
@@ -77,11 +79,11 @@ async def test_submit_no_stream_reports_a_cancel(
     code = await asyncio.to_thread(main, ["submit", "Hi", "--url", redis_url, "--no-stream", "--timeout", "10"])
     await serving
     out = capsys.readouterr()
-    assert code == 1 and out.out == "part\n" and "cancelled" in out.err
+    assert code == Exit.CANCELLED and out.out == "part\n" and "cancelled" in out.err
 
 
 def test_submit_rejects_bad_input_without_redis(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["submit", "Hi", "--url", "redis://127.0.0.1:1/0", "--temperature", "-1"]) == 1
+    assert main(["submit", "Hi", "--url", "redis://127.0.0.1:1/0", "--temperature", "-1"]) == Exit.USAGE
     assert "temperature" in capsys.readouterr().err
 
 
@@ -111,6 +113,7 @@ async def test_status_json(redis_url: str, server: aioredis.Redis, capsys: pytes
             {"lane": "batch", "depth": 3, **lane, "backlog_tokens": tokens, "backlog_seconds": tokens / 100},
         ],
         "tokens_per_s": 100.0,
+        "partitions": [],  # one partition: no breakdown
     }
 
 
@@ -151,9 +154,10 @@ async def test_status_text_lists_workers(
 
 
 async def test_cancel(redis_url: str, server: aioredis.Redis, capsys: pytest.CaptureFixture[str]) -> None:
+    await server.set(store.Keys("chat").submitted("req-42"), 1)  # what a submit leaves
     assert await asyncio.to_thread(main, ["cancel", "req-42", "--url", redis_url, "--queue", "chat"]) == 0
     assert await server.exists(store.Keys("chat").cancel("req-42"))
-    assert "req-42" in capsys.readouterr().out
+    assert "cancel sent for req-42" in capsys.readouterr().out
 
 
 def test_url_from_environment(
@@ -166,11 +170,11 @@ def test_url_from_environment(
 
 def test_errors_are_one_line_without_the_password(capsys: pytest.CaptureFixture[str]) -> None:
     url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
-    assert main(["status", "--url", url]) == 1
+    assert main(["status", "--url", url]) == Exit.UNAVAILABLE
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("llmq: error:")
     assert "hunter2" not in err and ":***@" in err
-    assert main(["cancel", "bad id", "--url", url]) == 1
+    assert main(["cancel", "bad id", "--url", url]) == Exit.USAGE
     assert "request id" in capsys.readouterr().err
 
 
@@ -216,13 +220,14 @@ async def test_status_watch_redraws_with_token_rates(
     loop = asyncio.get_running_loop()
     sleeps = []
 
-    def fake_sleep(seconds: float) -> None:  # the second refresh sees a new heartbeat; the third is Ctrl-C
+    def fake_pause(stopped: threading.Event, seconds: float) -> None:  # a new heartbeat, then Ctrl-C
         sleeps.append(seconds)
         if len(sleeps) == 2:
-            raise KeyboardInterrupt
+            stopped.set()  # what the SIGINT handler does
+            return
         asyncio.run_coroutine_threadsafe(beat(), loop).result()
 
-    monkeypatch.setattr("client.cli.time.sleep", fake_sleep)
+    monkeypatch.setattr("client.cli.status.pause", fake_pause)
     assert await asyncio.to_thread(main, ["status", "--watch", "0.5", "--url", redis_url, "--stale-after", "60"]) == 0
     out = capsys.readouterr().out
     assert out.count("\x1b[H\x1b[2J") == 2 and sleeps == [0.5, 0.5]
@@ -240,7 +245,7 @@ def test_batch_help_says_how_to_resume(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_batch_refuses_a_missing_input(tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["batch", str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--url", redis_url])
-    assert code == 2 and "no such input file" in capsys.readouterr().err
+    assert code == Exit.USAGE and "no such input file" in capsys.readouterr().err
 
 
 def test_batch_refuses_an_output_that_is_a_folder_or_the_input(
@@ -248,9 +253,9 @@ def test_batch_refuses_an_output_that_is_a_folder_or_the_input(
 ) -> None:
     source = tmp_path / "in.jsonl"
     source.write_text('{"custom_id": "a", "body": {"messages": [{"role": "user", "content": "x"}]}}\n')
-    assert main(["batch", str(source), "-o", str(tmp_path), "--url", redis_url]) == 2
+    assert main(["batch", str(source), "-o", str(tmp_path), "--url", redis_url]) == Exit.USAGE
     assert "is a directory" in capsys.readouterr().err
-    assert main(["batch", str(source), "-o", str(tmp_path / "." / "in.jsonl"), "--url", redis_url]) == 2
+    assert main(["batch", str(source), "-o", str(tmp_path / "." / "in.jsonl"), "--url", redis_url]) == Exit.USAGE
     assert "is the input file" in capsys.readouterr().err
     assert source.read_text().count("\n") == 1  # untouched
 
@@ -266,5 +271,5 @@ async def test_batch_files_run_in_the_batch_lane_unless_a_line_names_a_tier(
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
     argv = ["batch", str(source), "-o", str(tmp_path / "out.jsonl"), "--url", redis_url, "--timeout", "0.5"]
-    assert await asyncio.to_thread(main, argv) == 1  # no worker: both lines time out, and are error lines
+    assert await asyncio.to_thread(main, argv) == Exit.FAILED  # no worker: both lines time out, and are error lines
     assert [await server.xlen(KEYS.lane(lane)) for lane in ("interactive", "default", "batch")] == [1, 0, 1]

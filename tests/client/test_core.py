@@ -14,6 +14,7 @@ import pytest
 import redis.client as redis_pipeline
 from hypothesis import given
 from hypothesis import strategies as st
+from redis.exceptions import ResponseError
 
 from client import (
     Cancelled,
@@ -225,11 +226,12 @@ def test_the_reader_retries_with_capped_backoff_then_gives_up(monkeypatch: pytes
     monkeypatch.setattr(mux.time, "monotonic", lambda: clock[0])
     reading = MuxCore(Keys("default"), "c1")
     delays = [reading.retry_delay(ConnectionError("down")) for _ in range(8)]
-    assert delays[:3] == [0.05, 0.1, 0.2] and max(delays) == mux.BACKOFF_CAP_S  # type: ignore[type-var]
+    doubling = [0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0]  # jittered: each drawn from the upper half of these
+    assert all(full / 2 <= delay <= full for delay, full in zip(delays, doubling, strict=True))  # type: ignore[operator]
     clock[0] += mux.RECONNECT_BUDGET_S + 1
     assert reading.retry_delay(ConnectionError("still down")) is None
     reading.route([])  # a successful read resets the budget
-    assert reading.retry_delay(ConnectionError("again")) == 0.05
+    assert 0.025 <= reading.retry_delay(ConnectionError("again")) <= 0.05  # type: ignore[operator]
 
 
 def test_the_reader_blocks_under_the_socket_timeout() -> None:
@@ -278,6 +280,23 @@ def test_between_sweeps_only_the_streams_a_notice_names_are_read() -> None:
         chunks = reading.plan(0.05 * (step + 1)).chunks
         swept |= {str(key) for chunk in chunks for key in chunk}
     assert {keys.result(f"r{i}") for i in range(600)} <= swept
+
+
+def test_a_key_of_another_type_fails_its_followers_only_and_the_round_is_read_again() -> None:
+    keys = Keys("default")
+    reading = MuxCore(keys, "c1")
+    good, bad = keys.result("good"), keys.result("bad")
+    followers = {key: reading.follow(key, b"0-0", None) for key in (good, bad)}
+    reading.plan(0.0)  # the round that failed with WRONGTYPE
+    assert not mux.is_wrong_type(ConnectionError("down"))
+    assert mux.is_wrong_type(
+        ResponseError("Command # 1 (XREAD ...) of pipeline caused error: WRONGTYPE Operation against a key")
+    )
+    failed = reading.drop_wrong_types({good: b"stream", bad: b"string"})
+    assert [(follower, type(error)) for follower, error in failed] == [(followers[bad], MalformedEntry)]
+    assert bad in str(failed[0][1]) and "string" in str(failed[0][1])
+    assert reading.followed_keys() == [good]
+    assert good in reading.plan(0.01).chunks[0]  # read again at once, not after a backoff
 
 
 def test_a_failed_round_reads_every_stream_again() -> None:

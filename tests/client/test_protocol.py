@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from client import LLMQError, protocol
 from client.errors import InvalidRequest, LimitExceeded, MalformedEntry, ProtocolError, UnsupportedVersion
 from client.protocol import (
+    PROTOCOL_VERSION,
+    DeadLetterBody,
     DoneEvent,
     ErrorCode,
     ErrorEvent,
@@ -23,6 +25,7 @@ from client.protocol import (
     TokensEvent,
     Usage,
     WorkerInfo,
+    decode_dead_letter,
     decode_event,
     decode_request,
     decode_worker,
@@ -318,3 +321,16 @@ def test_random_maps_raise_only_protocol_errors(fields: dict[str, Any], version:
 def test_strings_that_are_not_utf8_are_invalid(fields: dict) -> None:
     with pytest.raises(InvalidRequest, match="UTF-8"):
         parse_request({"v": 1, "id": "x", "submitted": 1, **fields})
+
+
+def test_the_dead_letter_body_keeps_its_bytes() -> None:
+    """The dead-letter stream's entries are read back as they were written before it had a model."""
+    before = msgpack.packb({"v": PROTOCOL_VERSION, "entry_id": "1-0", "reason": "why", "raw": b"\x81\xa1"})
+    body = DeadLetterBody(entry_id="1-0", reason="why", raw=b"\x81\xa1")
+    assert encode(body) == before and decode_dead_letter(before) == body
+    assert "\\x81" not in repr(body)  # the entry stays out of logs
+    empty = msgpack.packb({"v": PROTOCOL_VERSION, "entry_id": "2-0", "reason": "no field", "raw": b""})
+    assert encode(DeadLetterBody(entry_id="2-0", reason="no field")) == empty
+    for junk in (b"junk", msgpack.packb({"v": PROTOCOL_VERSION, "entry_id": "1-0", "reason": "r", "raw": "text"})):
+        with pytest.raises(MalformedEntry):
+            decode_dead_letter(junk)

@@ -1,10 +1,12 @@
 """The Kubernetes manifests in deploy/k8s, checked offline: every file parses; the core kinds validate against
 Kubernetes' own schemas (kubernetes-validate, strict: unknown fields fail); the KEDA kinds validate against KEDA's
-CRD schemas kept in tests/data/keda (closed the way the API server's strict field validation closes them); and the
-references between the files hold (names, keys, ports, streams, the drain and the grace period, the GPU variant).
+CRD schemas kept in tests/data/keda and the Prometheus Operator's against a minimal schema of the fields we use
+(both closed the way the API server's strict field validation closes them); and the worker's references between
+the files hold (names, keys, ports, streams, the drain and the grace period, the GPU variant). The gateway's, the
+disruption budgets', network policies' and monitoring's are in test_k8s_gateway.py and test_k8s_monitoring.py.
 
-Overlays are rendered here by a small strategic merge that covers what the patches use; when `kubectl` is on PATH,
-a test checks that `kubectl kustomize` renders the same objects.
+Overlays are rendered offline (tests/deploy/support.py); when `kubectl` is on PATH, a test checks that
+`kubectl kustomize` renders the same objects.
 """
 
 from __future__ import annotations
@@ -17,22 +19,45 @@ import subprocess
 import sys
 import threading
 import time
-from functools import cache
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
 from client.store import CONSUMER_GROUP, Keys
+from tests.deploy.support import (
+    BASE,
+    BASE_KINDS,
+    GPU,
+    GPU_MONITORING,
+    K8S,
+    KEDA_CRDS,
+    MONITORING,
+    MONITORING_COMPONENT,
+    OPERATOR_KINDS,
+    ROOT,
+    SECRET_EXAMPLE,
+    Obj,
+    configmap_env,
+    container,
+    keda_validator,
+    key,
+    kustomization,
+    load,
+    manifest_files,
+    one,
+    rendered,
+    schema_errors,
+    secret,
+    secret_data,
+    secrets,
+    settings_env,
+    worker_part,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "deploy" / "k8s"
-BASE, GPU = K8S / "base", K8S / "gpu"
-SECRET_EXAMPLE = K8S / "secret.example.yaml"
 PROMETHEUS_ALTERNATIVE = K8S / "alternatives" / "scaledobject-prometheus.yaml"
 # Trigger type and the Secret keys its TriggerAuthentication reads, per Redis topology.
 TOPOLOGY_ALTERNATIVES = {
@@ -42,118 +67,30 @@ TOPOLOGY_ALTERNATIVES = {
         {"addresses", "password", "sentinelPassword"},
     ),
 }
-KEDA_CRDS = ROOT / "tests" / "data" / "keda"
+CLUSTER_ALTERNATIVE = K8S / "alternatives" / "scaledobject-redis-cluster.yaml"
+PARTITIONED_ALTERNATIVE = K8S / "alternatives" / "scaledobject-redis-cluster-partitions.yaml"  # 3 partitions
 KUBERNETES_VERSION = "1.30.0"  # a version kubernetes-validate ships schemas for, and still widely run
-CORE_KINDS = {"Namespace", "ConfigMap", "Secret", "Deployment", "Service"}
+CORE_KINDS = (BASE_KINDS - {"ScaledObject", "TriggerAuthentication"}) | {"Secret"}
 KEDA_KINDS = {"ScaledObject", "TriggerAuthentication"}
 HEALTH_CHECK = ["python", "-m", "worker.health"]
-
-Obj = dict[str, Any]
-
-
-# --- loading and rendering ------------------------------------------------------------------------------------
-
-
-def load(path: Path) -> list[Obj]:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
-
-
-def merge(base: Any, patch: Any) -> Any:
-    """Strategic merge, as far as our patches need it: maps merge key by key, lists of named items (containers,
-    volumes, env) merge by name, any other list or value is replaced."""
-    if isinstance(base, dict) and isinstance(patch, dict):
-        out = dict(base)
-        for key, value in patch.items():
-            out[key] = merge(base[key], value) if key in base else copy.deepcopy(value)
-        return out
-    named = [*(base if isinstance(base, list) else []), *(patch if isinstance(patch, list) else [])]
-    if (
-        isinstance(base, list)
-        and isinstance(patch, list)
-        and named
-        and all(isinstance(item, dict) and "name" in item for item in named)
-    ):
-        out = [copy.deepcopy(item) for item in base]
-        for item in patch:
-            index = next((i for i, old in enumerate(out) if old["name"] == item["name"]), None)
-            if index is None:
-                out.append(copy.deepcopy(item))
-            else:
-                out[index] = merge(out[index], item)
-        return out
-    return copy.deepcopy(patch)
-
-
-def key(obj: Obj) -> tuple[str, str]:
-    return obj["kind"], obj["metadata"]["name"]
-
-
-@cache
-def kustomization(directory: Path) -> Obj:
-    (doc,) = load(directory / "kustomization.yaml")
-    return doc
-
-
-def _render(directory: Path) -> list[Obj]:
-    spec = kustomization(directory)
-    objects: list[Obj] = []
-    for resource in spec.get("resources", []):
-        path = (directory / resource).resolve()
-        objects += _render(path) if path.is_dir() else load(path)
-    if "namespace" in spec:
-        for obj in objects:
-            if obj["kind"] != "Namespace":
-                obj["metadata"]["namespace"] = spec["namespace"]
-    for patch_ref in spec.get("patches", []):
-        (patch,) = load(directory / patch_ref["path"])
-        matches = [i for i, obj in enumerate(objects) if key(obj) == key(patch)]
-        assert len(matches) == 1, f"{patch_ref['path']} must patch exactly one object, matches {len(matches)}"
-        objects[matches[0]] = merge(objects[matches[0]], patch)
-    return objects
-
-
-@cache
-def rendered(directory: Path) -> tuple[Obj, ...]:
-    return tuple(_render(directory))
-
-
-def one(objects: tuple[Obj, ...] | list[Obj], kind: str) -> Obj:
-    found = [obj for obj in objects if obj["kind"] == kind]
-    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
-    return found[0]
-
-
-@cache
-def secret() -> Obj:
-    (doc,) = load(SECRET_EXAMPLE)
-    return doc
-
-
-def secret_data(obj: Obj) -> dict[str, str]:
-    return {**obj.get("stringData", {}), **obj.get("data", {})}
-
-
-def container(objects: tuple[Obj, ...]) -> Obj:
-    containers = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
-    assert len(containers) == 1
-    return containers[0]
-
-
-def configmap_env(objects: tuple[Obj, ...]) -> dict[str, str]:
-    return one(objects, "ConfigMap")["data"]
-
-
-def manifest_files() -> list[Path]:
-    return sorted(K8S.rglob("*.yaml"))
+OVERLAYS = [BASE, GPU, MONITORING, GPU_MONITORING]
 
 
 def every_object() -> list[tuple[str, Obj]]:
-    """Every object a user may apply: both renders, the Secret example and the alternative ScaledObject."""
+    """Every object a user may apply: both variants, the monitoring component's, the Secret examples and the
+    alternative ScaledObjects."""
     out = [(f"base:{k}/{n}", obj) for obj in rendered(BASE) for k, n in [key(obj)]]
     out += [(f"gpu:{k}/{n}", obj) for obj in rendered(GPU) for k, n in [key(obj)]]
-    out += [("secret.example.yaml", secret())]
+    out += [
+        (f"monitoring:{k}/{n}", obj)
+        for obj in rendered(MONITORING)
+        if obj["kind"] in OPERATOR_KINDS
+        for k, n in [key(obj)]
+    ]
+    out += [(f"{SECRET_EXAMPLE.name}:{name}", obj) for name, obj in secrets().items()]
     out += [(PROMETHEUS_ALTERNATIVE.name, obj) for obj in load(PROMETHEUS_ALTERNATIVE)]
     out += [(path.name, obj) for path in TOPOLOGY_ALTERNATIVES for obj in load(path)]
+    out += [(PARTITIONED_ALTERNATIVE.name, obj) for obj in load(PARTITIONED_ALTERNATIVE)]
     return out
 
 
@@ -171,7 +108,7 @@ def test_every_file_parses_into_named_objects() -> None:
         assert docs, path
         for doc in docs:
             assert {"apiVersion", "kind"} <= set(doc), path
-            if doc["kind"] != "Kustomization":
+            if doc["kind"] not in ("Kustomization", "Component"):
                 assert doc["metadata"]["name"], path
 
 
@@ -179,16 +116,33 @@ def test_base_kustomization_lists_every_base_manifest_and_not_the_secret() -> No
     listed = kustomization(BASE)["resources"]
     on_disk = sorted(p.name for p in BASE.glob("*.yaml") if p.name != "kustomization.yaml")
     assert sorted(listed) == on_disk
-    assert {obj["kind"] for obj in rendered(BASE)} == (CORE_KINDS - {"Secret"}) | KEDA_KINDS
-    # The real Secret is the user's: `kubectl apply -k` must never overwrite it with placeholders.
-    assert all(obj["kind"] != "Secret" for obj in rendered(BASE) + rendered(GPU))
+    assert {obj["kind"] for obj in rendered(BASE)} == BASE_KINDS
+    # The real Secrets are the user's: `kubectl apply -k` must never overwrite them with placeholders.
+    assert all(obj["kind"] != "Secret" for overlay in OVERLAYS for obj in rendered(overlay))
     assert kustomization(GPU)["resources"] == ["../base"]
+
+
+def test_the_operator_kinds_stay_out_of_the_base_and_the_gpu_variant() -> None:
+    """A cluster without the Prometheus Operator's CRDs applies base/ or gpu/; the monitoring overlays add the
+    component's objects and change nothing else."""
+    for plain, monitored in ((BASE, MONITORING), (GPU, GPU_MONITORING)):
+        assert not {obj["kind"] for obj in rendered(plain)} & OPERATOR_KINDS
+        extra = [obj for obj in rendered(monitored) if key(obj) not in {key(o) for o in rendered(plain)}]
+        assert sorted(key(obj) for obj in extra) == sorted(key(obj) for obj in load_component())
+        assert [obj for obj in rendered(monitored) if obj not in extra] == list(rendered(plain))
+    assert kustomization(MONITORING_COMPONENT)["kind"] == "Component"
+
+
+def load_component() -> list[Obj]:
+    return [
+        obj for path in kustomization(MONITORING_COMPONENT)["resources"] for obj in load(MONITORING_COMPONENT / path)
+    ]
 
 
 def test_core_kinds_validate_strictly_against_kubernetes() -> None:
     checked = set()
     for name, obj in every_object():
-        if obj["kind"] in KEDA_KINDS:
+        if obj["kind"] in KEDA_KINDS | OPERATOR_KINDS:
             continue
         try:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
@@ -200,42 +154,15 @@ def test_core_kinds_validate_strictly_against_kubernetes() -> None:
 
 def test_kubernetes_validation_rejects_an_unknown_field() -> None:
     """The validator is not vacuous: a misspelt field in the Deployment fails."""
-    deployment = copy.deepcopy(one(rendered(BASE), "Deployment"))
+    deployment = copy.deepcopy(worker_part(rendered(BASE), "Deployment"))
     deployment["spec"]["template"]["spec"]["terminationGracePeriod"] = 45
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
 
 
-def closed(schema: Any) -> Any:
-    """The schema with every object that lists its properties closed to others, as the API server's strict field
-    validation (`kubectl apply --validate=strict`, the default) treats unknown fields."""
-    if isinstance(schema, list):
-        return [closed(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: closed(v) for k, v in schema.items()}
-    if (
-        "properties" in out
-        and "additionalProperties" not in out
-        and not out.get("x-kubernetes-preserve-unknown-fields")
-    ):
-        out["additionalProperties"] = False
-    return out
-
-
-@cache
-def keda_validator(kind: str) -> jsonschema.Draft7Validator:
-    (crd,) = load(KEDA_CRDS / f"keda.sh_{kind.lower()}s.yaml")
-    assert crd["kind"] == "CustomResourceDefinition" and crd["spec"]["names"]["kind"] == kind
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1"]
-    schema = closed(version["schema"]["openAPIV3Schema"])
-    jsonschema.Draft7Validator.check_schema(schema)
-    return jsonschema.Draft7Validator(schema)
-
-
 def keda_errors(obj: Obj) -> list[str]:
     assert obj["apiVersion"] == "keda.sh/v1alpha1"
-    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in keda_validator(obj["kind"]).iter_errors(obj)]
+    return schema_errors(keda_validator(obj["kind"]), obj)
 
 
 def test_crd_files_say_where_they_come_from() -> None:
@@ -275,7 +202,7 @@ def test_keda_validation_rejects_broken_scaled_objects(spoil: Any) -> None:
 @VARIANTS
 def test_one_scaled_object_targets_the_worker_deployment(variant: Path) -> None:
     objects = rendered(variant)
-    deployment, scaled = one(objects, "Deployment"), one(objects, "ScaledObject")
+    deployment, scaled = worker_part(objects, "Deployment"), one(objects, "ScaledObject")
     target = scaled["spec"]["scaleTargetRef"]
     assert (target.get("apiVersion", "apps/v1"), target.get("kind", "Deployment")) == ("apps/v1", "Deployment")
     assert target["name"] == deployment["metadata"]["name"]
@@ -379,16 +306,18 @@ def test_secret_example_holds_placeholders_only() -> None:
     doc = secret()
     text = SECRET_EXAMPLE.read_text()
     assert "EXAMPLE" in text.split("apiVersion")[0]
-    assert doc["type"] == "Opaque"
+    assert set(secrets()) == {"llmq-redis", "llmq-gateway"}
+    assert all(obj["type"] == "Opaque" for obj in secrets().values())
     data = secret_data(doc)
     assert urlsplit(data["redis-url"]).password == data["redis-password"] == "CHANGE-ME"
+    assert secret_data(secrets()["llmq-gateway"]) == {"api-keys": "CHANGE-ME"}
 
 
 @VARIANTS
 def test_workers_get_settings_from_the_configmap_and_the_url_from_the_secret(variant: Path) -> None:
     objects = rendered(variant)
     worker = container(objects)
-    assert worker["envFrom"] == [{"configMapRef": {"name": one(objects, "ConfigMap")["metadata"]["name"]}}]
+    assert worker["envFrom"] == [{"configMapRef": {"name": worker_part(objects, "ConfigMap")["metadata"]["name"]}}]
     env = {item["name"]: item for item in worker["env"]}
     ref = env["LLMQ_REDIS_URL"]["valueFrom"]["secretKeyRef"]
     assert ref["name"] == secret()["metadata"]["name"] and ref["key"] in secret_data(secret())
@@ -396,23 +325,13 @@ def test_workers_get_settings_from_the_configmap_and_the_url_from_the_secret(var
     names = set(configmap_env(objects)) | {n for n in env if n.startswith("LLMQ_")}
     assert names <= settings_env(), names - settings_env()
     # Service links would add `<SERVICE>_PORT=tcp://...` variables, some of which could be LLMQ_* settings.
-    assert one(objects, "Deployment")["spec"]["template"]["spec"]["enableServiceLinks"] is False
-
-
-@cache
-def settings_env() -> frozenset[str]:
-    """LLMQ_<FIELD> for every field of worker.config.Settings, read from the source (importing it loads torch)."""
-    tree = ast.parse((ROOT / "worker" / "config.py").read_text())
-    (settings,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Settings"]
-    fields = [n.target.id for n in settings.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
-    assert {"redis_url", "drain_timeout_s", "metrics_port"} <= set(fields)
-    return frozenset(f"LLMQ_{name.upper()}" for name in fields)
+    assert worker_part(objects, "Deployment")["spec"]["template"]["spec"]["enableServiceLinks"] is False
 
 
 @VARIANTS
 def test_grace_period_outlasts_the_drain(variant: Path) -> None:
     objects = rendered(variant)
-    grace = one(objects, "Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    grace = worker_part(objects, "Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     drain = float(configmap_env(objects)["LLMQ_DRAIN_TIMEOUT_S"])
     assert grace > drain
     assert grace - drain >= 10, "room to hand back, flush and close after the drain"
@@ -421,7 +340,7 @@ def test_grace_period_outlasts_the_drain(variant: Path) -> None:
 def test_grace_period_matches_compose() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     stop = compose["services"]["worker"]["stop_grace_period"]
-    grace = one(rendered(BASE), "Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    grace = worker_part(rendered(BASE), "Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert stop == f"{grace}s"
 
 
@@ -441,7 +360,7 @@ def test_volumes_cover_every_path_the_worker_writes(variant: Path) -> None:
     objects = rendered(variant)
     worker, env = container(objects), configmap_env(objects)
     assert worker["securityContext"]["readOnlyRootFilesystem"] is True
-    volumes = {v["name"]: v for v in one(objects, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    volumes = {v["name"]: v for v in worker_part(objects, "Deployment")["spec"]["template"]["spec"]["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in worker["volumeMounts"]}
     for path in (env["LLMQ_MODEL_CACHE_DIR"], str(Path(env["LLMQ_HEALTH_FILE"]).parent), "/home/llmq"):
         assert path in mounts, path
@@ -455,14 +374,14 @@ def test_metrics_port_is_the_same_everywhere(variant: Path) -> None:
     assert port > 0  # 0 would turn the endpoint off
     (container_port,) = [p for p in container(objects)["ports"] if p["name"] == "metrics"]
     assert container_port["containerPort"] == port
-    service = one(objects, "Service")
+    service = worker_part(objects, "Service")
     (service_port,) = service["spec"]["ports"]
     assert service_port["port"] == port and service_port["targetPort"] in (port, container_port["name"])
     assert service["metadata"]["annotations"]["prometheus.io/port"] == str(port)
     assert service["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
-    labels = one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    labels = worker_part(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
-    assert one(objects, "Deployment")["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert worker_part(objects, "Deployment")["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
 def test_images_name_no_registry() -> None:
@@ -487,12 +406,12 @@ def test_gpu_variant_requests_a_gpu_and_the_compose_cuda_sizes() -> None:
         assert {name: str(compose_env[name]) for name in shared} == {name: env[name] for name in shared}, service
     assert configmap_env(rendered(GPU))["LLMQ_DEVICE"] == "cuda"
     assert configmap_env(rendered(BASE))["LLMQ_DEVICE"] == "cpu"
-    tolerations = one(rendered(GPU), "Deployment")["spec"]["template"]["spec"]["tolerations"]
+    tolerations = worker_part(rendered(GPU), "Deployment")["spec"]["template"]["spec"]["tolerations"]
     assert any(t["key"] == "nvidia.com/gpu" for t in tolerations)
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
-@pytest.mark.parametrize("variant", [BASE, GPU], ids=["cpu", "gpu"])
+@pytest.mark.parametrize("variant", OVERLAYS, ids=lambda path: path.name)
 def test_kustomize_renders_what_the_tests_check(variant: Path) -> None:
     """Our small strategic merge agrees with kustomize itself, so the checks above hold for what users apply."""
     out = subprocess.run(["kubectl", "kustomize", str(variant)], capture_output=True, text=True, timeout=30)
@@ -591,3 +510,26 @@ def test_a_hook_that_returns_before_the_drain_ends_would_cut_it_short() -> None:
     """The stand-in above can fail: a hook that signals and sleeps less than the drain lets the kubelet's SIGTERM
     arrive as the second one, which ends the drain."""
     assert run_termination(["/bin/sh", "-c", "kill -TERM 1; sleep 0.2"], grace_s=10) == "hurried 2"
+
+
+def test_the_partitioned_alternative_counts_every_partition_as_the_cluster_one_counts_the_queue() -> None:
+    """LLMQ_QUEUE_PARTITIONS=3 on a Cluster: the six counts of the cluster alternative for each partition's
+    streams, one formula adding all 18, and otherwise the same ScaledObject and TriggerAuthentication."""
+    partitioned, authentication = load(PARTITIONED_ALTERNATIVE)
+    single, single_authentication = load(CLUSTER_ALTERNATIVE)
+    assert key(partitioned) == key(single) and authentication == single_authentication
+    without = ("triggers", "advanced")
+    assert {k: v for k, v in partitioned["spec"].items() if k not in without} == {
+        k: v for k, v in single["spec"].items() if k not in without
+    }
+    triggers = partitioned["spec"]["triggers"]
+    names = [trigger["name"] for trigger in triggers]
+    assert sorted(formula_terms(partitioned["spec"]["advanced"]["scalingModifiers"]["formula"])) == sorted(names)
+    assert len(set(names)) == len(names) == 18
+    for keys in Keys("default").partitioned(3):
+        mine = [trigger for trigger in triggers if trigger["metadata"]["stream"] in keys.lanes.values()]
+        assert len(mine) == len(single["spec"]["triggers"])
+        for trigger, twin in zip(mine, single["spec"]["triggers"], strict=True):
+            lane = next(lane for lane, stream in Keys("default").lanes.items() if stream == twin["metadata"]["stream"])
+            assert trigger["metadata"] == {**twin["metadata"], "stream": keys.lanes[lane]}
+            assert trigger["type"] == twin["type"] and trigger["authenticationRef"] == twin["authenticationRef"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from client import AsyncClient, Client, QueueFull
-from tests.tiny_models import save_tiny_model
+from testing.tiny_models import save_tiny_model
 from worker.embedded_redis import RedisServer
 from worker.engine import Engine, EngineConfig, EngineRequest, GenerationParams, LoadOptions, load_model
 

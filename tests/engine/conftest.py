@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.tiny_models import save_tiny_model
+from testing.tiny_models import save_tiny_model
 from worker.engine.core import Engine, EngineConfig
 from worker.engine.loader import LoadOptions, load_model
 

@@ -15,8 +15,8 @@ from torch.nn import functional
 
 from tests.engine.conftest import load, reference_greedy
 from tests.engine.test_engine import collect, greedy, mixed_prompts, tokens_of
-from worker.engine import cpu_kernels
-from worker.engine.cpu_kernels import DecodeRows, PagedDecode
+from worker.engine.kernels import cpu_kernels
+from worker.engine.kernels.cpu_kernels import DecodeRows, PagedDecode
 from worker.engine.paged_reads import PAGED_KV
 from worker.engine.types import EngineRequest
 
@@ -127,7 +127,7 @@ def test_without_a_working_compiler_load_says_why_and_returns_none(
     fresh_build: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, compiler: str
 ) -> None:
     monkeypatch.setenv("CC", "/nonexistent/cc" if compiler == "missing" else "false")
-    with caplog.at_level(logging.WARNING, logger="worker.engine.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="worker.engine.kernels.cpu_kernels"):
         assert cpu_kernels.load() is None
     assert "kernel unavailable, using the torch path" in caplog.text
     assert not fresh_build.exists() or not list(fresh_build.glob("*.so"))
@@ -144,7 +144,7 @@ async def test_engine_decode_paths_match_generate(
     reference_model, _ = load(llama_dir)
     engine = await make_engine(llama_dir, max_batch_tokens=32)
     plans: list[Any] = []
-    cache = engine._manager.batch_processor.cache
+    cache = engine._manager.library.batch_processor.cache
     update = cache.update
 
     def spy(key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs: dict[str, Any]) -> Any:

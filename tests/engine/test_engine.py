@@ -277,7 +277,7 @@ async def test_outputs_of_ended_requests_do_not_pile_up(llama_dir: Path, make_en
         await anext(stream)
         engine.cancel(f"c{i}")
     await asyncio.sleep(0.5)  # the library's last outputs for them arrive, and the watchdog clears them
-    assert engine._manager.output_router.output_queue.qsize() == 0
+    assert engine._manager.library.output_router.output_queue.qsize() == 0
 
 
 async def test_suspects_run_one_at_a_time_beside_other_requests(llama_dir: Path, make_engine: Any) -> None:

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
+from testing.tiny_models import save_tiny_model
 from tests.engine.conftest import load, reference_greedy
 from tests.engine.test_engine import collect, greedy, mixed_prompts, tokens_of
-from tests.tiny_models import save_tiny_model
 from worker.engine import lean_layers
 from worker.engine.loader import LoadOptions, load_model
 from worker.engine.prepack import StackedLinears

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.tiny_models import build_tokenizer
+from testing.tiny_models import build_tokenizer
 from worker.engine.outputs import IncrementalDetokenizer, StopStringMatcher
 
 TOKENIZER = build_tokenizer()

@@ -14,8 +14,9 @@ from torch.nn import functional
 
 from tests.engine.conftest import load, reference_greedy
 from tests.engine.test_engine import collect, greedy, kill_engine_thread_once, mixed_prompts, tokens_of
-from worker.engine import cpu_kernels, paged_reads
+from worker.engine import library
 from worker.engine.attention import ATTENTION_NAME, paged_attention
+from worker.engine.kernels import cpu_kernels
 from worker.engine.paged_reads import PagedKV, plan_step, split_by_length
 from worker.engine.sampling import FusedSampler
 from worker.engine.types import EngineRequest
@@ -127,10 +128,11 @@ async def test_engine_on_cpu_runs_the_fast_paths(llama_dir: Path, make_engine: A
     manager = engine._manager
     assert manager is not None
     assert engine.model.config._attn_implementation == ATTENTION_NAME
-    assert getattr(manager.batch_processor.cache, "_llmq_paged_reads", False)
-    assert isinstance(manager.batch_processor.model_runner.logit_processor, FusedSampler)
+    processor = manager.library.batch_processor
+    assert library.has_paged_reads(processor.cache)
+    assert isinstance(processor.model_runner.logit_processor, FusedSampler)
     assert all("forward" in vars(layer) for layer in engine.model.model.layers), "lean layers"
-    assert not paged_reads.install(manager.batch_processor.cache), "installing twice changes nothing"
+    assert not library.install_paged_reads(processor.cache), "installing twice changes nothing"
 
 
 async def test_a_restarted_engine_reads_the_paged_cache_again(llama_dir: Path, make_engine: Any) -> None:
@@ -140,7 +142,7 @@ async def test_a_restarted_engine_reads_the_paged_cache_again(llama_dir: Path, m
     expected = tokens_of(await collect(engine.submit(EngineRequest("before", input_ids=prompt, params=greedy(12)))))
     await kill_engine_thread_once(engine, model)
     assert engine._manager is not None
-    assert getattr(engine._manager.batch_processor.cache, "_llmq_paged_reads", False)
+    assert library.has_paged_reads(engine._manager.library.batch_processor.cache)
     assert all("forward" in vars(layer) for layer in model.model.layers), "lean layers again"
     after = await collect(engine.submit(EngineRequest("after", input_ids=prompt, params=greedy(12))))
     assert tokens_of(after) == expected == reference_greedy(load(llama_dir)[0], prompt, 12)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.engine import cpu_kernels, lean_layers
+from worker.engine import lean_layers
+from worker.engine.kernels import cpu_kernels
 
 # torch's float sums are 8 floats wide in its x86 builds, which the native sum reproduces (checked on AVX2 and
 # AVX-512 machines); elsewhere `rms_norm` may decline, which the fallback tests cover.
@@ -86,7 +87,7 @@ def test_rms_norm_is_withheld_where_it_does_not_reproduce_torch(
         return torch.nextafter(out, torch.full_like(out, float("inf")))
 
     monkeypatch.setattr(torch, "rms_norm", another_rounding)
-    with caplog.at_level(logging.WARNING, logger="worker.engine.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="worker.engine.kernels.cpu_kernels"):
         assert cpu_kernels.rms_norm(576) is None
     assert "does not reproduce torch's for width 576" in caplog.text
     assert cpu_kernels.rms_norm(0) is None
@@ -102,9 +103,9 @@ def test_without_a_working_compiler_rms_norm_falls_back_to_torch(
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "/nonexistent/cc" if compiler == "missing" else "false")
-    with caplog.at_level(logging.WARNING, logger="worker.engine.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="worker.engine.kernels.cpu_kernels"):
         assert cpu_kernels.rms_norm(64) is None
-    assert "native RMSNorm unavailable, using the torch path" in caplog.text
+    assert "native RMSNorm kernel unavailable, using the torch path" in caplog.text
     norm = lean_layers._rms_norm(64, torch.float32)  # what the lean layers then run: torch's own
     x, weight = torch.randn(3, 64), torch.randn(64)
     _assert_bits(norm(x, weight, 1e-5), torch.rms_norm(x, (64,), weight, 1e-5))

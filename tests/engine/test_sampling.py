@@ -11,6 +11,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from worker.engine.library import argument_rows
 from worker.engine.sampling import FusedSampler
 
 VOCAB = 50
@@ -21,7 +22,7 @@ def sampler() -> FusedSampler:
         LogitsProcessorList([TemperatureLogitsWarper(0.5), TopKLogitsWarper(50), TopPLogitsWarper(0.9)]),
         per_request_processors=True,
     )
-    return FusedSampler(processors, None, {})
+    return FusedSampler(argument_rows(processors), None, {})
 
 
 def args_for(rows: list[tuple[float, int, float]]) -> torch.Tensor:

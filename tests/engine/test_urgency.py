@@ -11,6 +11,7 @@ from transformers.generation.continuous_batching.requests import RequestStatus
 
 from tests.engine.test_engine import greedy
 from worker.engine import EngineRequest
+from worker.engine.library import UrgentFirstScheduler
 from worker.engine.urgency import urgent_first
 
 BUDGET = 16  # tokens per step
@@ -20,14 +21,18 @@ def state(request_id: str, status: RequestStatus) -> Any:
     return SimpleNamespace(request_id=request_id, status=status)
 
 
+def decoding(candidate: Any) -> bool:
+    return bool(candidate.status == RequestStatus.DECODING)
+
+
 def test_candidates_keep_decoding_rows_first_then_urgent_ones_then_the_rest_in_order() -> None:
     decode_a, decode_b = state("a", RequestStatus.DECODING), state("b", RequestStatus.DECODING)
     prefilling, waiting = state("p", RequestStatus.PREFILLING), state("w", RequestStatus.PENDING)
     urgent_late, urgent_later = state("u1", RequestStatus.PENDING), state("u2", RequestStatus.PENDING)
     candidates = [decode_a, decode_b, prefilling, waiting, urgent_late, urgent_later]
     expected = [decode_a, decode_b, urgent_late, urgent_later, prefilling, waiting]
-    assert urgent_first(candidates, {"u1", "u2"}) == expected
-    assert urgent_first(candidates, set()) == candidates
+    assert urgent_first(candidates, {"u1", "u2"}, decoding) == expected
+    assert urgent_first(candidates, set(), decoding) == candidates
 
 
 async def first_tokens(engine: Any, requests: list[EngineRequest]) -> list[str]:
@@ -55,3 +60,6 @@ async def test_an_urgent_request_prefills_before_a_long_prompt_that_arrived_firs
     again = EngineRequest("long-again", input_ids=long_prompt.input_ids, params=greedy(4))
     assert await first_tokens(engine, [again, plain]) == ["long-again", "plain"]  # the library's own order
     assert not engine._urgent, "finished requests leave the urgent set"
+    scheduler = engine._manager.library.batch_processor.scheduler
+    assert isinstance(scheduler, UrgentFirstScheduler), "chosen by name from the library's scheduler mapping"
+    assert scheduler.urgent is engine._urgent

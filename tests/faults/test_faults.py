@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.cluster import Cluster, FaultReport, run_faults
-from tests.tiny_models import save_tiny_model
+from testing.fault_cluster import Cluster, FaultReport, run_faults
+from testing.tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from client import AsyncClient
-from tests import poison
-from tests.faults.cluster import Cluster, hostile_entries, run_faults, wait_for_workers
-from tests.tiny_models import save_tiny_model
+from testing import poison
+from testing.fault_cluster import Cluster, hostile_entries, run_faults, wait_for_workers
+from testing.tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def test_sigterm_during_an_engine_failure_loop_exits_in_time(tmp_path: Path) -> 
     model_dir = save_tiny_model(tmp_path / "model", "llama", max_positions=512)
     # Quarantine and the delivery limit are out of reach here, so the worker stays in its failure loop.
     limits = {"--max-engine-failures": 1000, "--max-hand-backs": 1000, "--max-deliveries": 1000}
-    cluster = Cluster(tmp_path, model_dir, module="tests.poison", flags={"--drain-timeout-s": 2.0, **limits})
+    cluster = Cluster(tmp_path, model_dir, module="testing.poison", flags={"--drain-timeout-s": 2.0, **limits})
     try:
         cluster.start_worker("w0")
         asyncio.run(submit_killer_and_wait_for_failures(cluster, failures=3))
@@ -50,7 +50,7 @@ def test_hostile_requests_are_answered_and_good_ones_are_unharmed(tmp_path: Path
     them killed meanwhile: each hostile one gets a typed error, the killer is quarantined after two engine
     failures, and every good one completes exactly."""
     model_dir = save_tiny_model(tmp_path / "model", "llama", max_positions=512)
-    cluster = Cluster(tmp_path, model_dir, module="tests.poison")
+    cluster = Cluster(tmp_path, model_dir, module="testing.poison")
     for name in ("w0", "w1", "w2"):
         cluster.start_worker(name)
     hostile = hostile_entries(17, killer_top_p=poison.POISON_TOP_P)

@@ -10,8 +10,8 @@ from client import AsyncClient, AsyncJob
 from tests.polling import wait_until
 
 
-def counted(served: Any, route: str, status: str) -> float:
-    value = served.state.metrics.requests.labels(route, status)._value.get()
+def counted(served: Any, route: str, status: str, model: str) -> float:
+    value = served.state.metrics.requests.labels(route, status, model)._value.get()
     return float(value)
 
 
@@ -33,8 +33,8 @@ async def test_disconnect_mid_stream_cancels(gateway: Any, start_worker: Any, re
         job = AsyncJob.attach(direct, request_id)
         seen = sum([len(delta.token_ids) async for delta in job.stream(timeout=10)])
     assert job.finish_reason == "cancelled" and seen < 400
-    await wait_until(lambda: counted(served, "/v1/chat/completions", "499") == 1)
-    assert served.state.metrics.in_flight.labels("/v1/chat/completions")._value.get() == 0
+    await wait_until(lambda: counted(served, "/v1/chat/completions", "499", model) == 1)
+    assert served.state.metrics.in_flight.labels("/v1/chat/completions", model)._value.get() == 0
 
 
 async def test_disconnect_while_waiting_for_a_whole_answer_cancels(gateway: Any, start_worker: Any) -> None:
@@ -50,4 +50,4 @@ async def test_disconnect_while_waiting_for_a_whole_answer_cancels(gateway: Any,
             await waiting
     await wait_until(lambda: running.worker.engine.stats().running == 0, within_s=5)
     assert running.worker.engine.stats().requests_finished["cancelled"] == 1
-    await wait_until(lambda: counted(served, "/v1/completions", "499") == 1)
+    await wait_until(lambda: counted(served, "/v1/completions", "499", model) == 1)

@@ -7,7 +7,7 @@ import asyncio
 from typing import Any
 
 from client import AsyncClient
-from tests.scripted_engine import expected_tokens, text_of
+from testing.scripted_engine import expected_tokens, text_of
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -164,8 +164,12 @@ async def test_logprobs_and_a_json_schema_through_the_sdk(gateway: Any, start_wo
     stream = await sdk.chat.completions.create(
         model=model, messages=QUESTION, max_tokens=6, temperature=0, logprobs=True, stream=True
     )
-    streamed = [c for chunk in [c async for c in stream] if chunk.choices and chunk.choices[0].logprobs
-                for c in chunk.choices[0].logprobs.content or []]
+    streamed = [
+        c
+        for chunk in [c async for c in stream]
+        if chunk.choices and chunk.choices[0].logprobs
+        for c in chunk.choices[0].logprobs.content or []
+    ]
     assert [c.logprob for c in streamed] == [c.logprob for c in content]
     completion = await sdk.completions.create(model=model, prompt="The sky is", max_tokens=5, temperature=0, logprobs=2)
     assert completion.choices[0].logprobs is not None

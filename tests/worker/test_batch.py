@@ -15,8 +15,8 @@ from typing import Any
 from client import AsyncClient, Cancelled, Client, InvalidRequest, ResultTimeout
 from client.batch import output_line, parse_line, run_batch
 from client.errors import LimitExceeded
+from testing.scripted_engine import expected_tokens, text_of
 from tests.polling import wait_until
-from tests.scripted_engine import expected_tokens, text_of
 
 GOOD = 1000
 

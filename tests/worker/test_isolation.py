@@ -10,8 +10,9 @@ import pytest
 from redis.asyncio import Redis
 
 from client import AsyncClient, RequestFailed
-from client.protocol import TokensEvent, decode_event
-from client.store import CONSUMER_GROUP, HAND_BACK_ENGINE_FAILURE, Keys
+from client.protocol import TokensEvent, decode_dead_letter, decode_event
+from client.scripts import CONSUMER_GROUP, Fence, HandBackReason
+from client.store import Keys
 from worker.leases import Leases
 from worker.publisher import Publisher, Target
 
@@ -60,11 +61,11 @@ async def test_publisher_isolates_an_event_redis_refuses(redis: Redis) -> None:
 async def test_hand_back_counts_each_request_on_its_own(redis: Redis) -> None:
     entries = await pending_entries(redis, 2)
     await redis.set(KEYS.fence("a"), "not a hash")
-    await redis.hset(KEYS.fence("b"), "a", 1)
+    await redis.hset(KEYS.fence("b"), Fence.ATTEMPT, 1)
     leases = Leases(redis, KEYS, "w", lease_timeout_s=5.0)
-    handed = await leases.hand_back([(entries[0], "a"), (entries[1], "b")], HAND_BACK_ENGINE_FAILURE)
+    handed = await leases.hand_back([(entries[0], "a"), (entries[1], "b")], HandBackReason.ENGINE_FAILURE)
     assert handed == 2
-    assert await redis.hmget(KEYS.fence("b"), "h", "f") == [b"1", b"1"]
+    assert await redis.hmget(KEYS.fence("b"), Fence.HANDED_BACK, Fence.ENGINE_FAILURES) == [b"1", b"1"]
     assert len(await leases.claim(10)) == 2  # both claimable at once
 
 
@@ -97,7 +98,8 @@ async def test_a_request_whose_result_stream_redis_refuses_is_dead_lettered_alon
             if await redis.xlen(KEYS.dead):
                 break
             await asyncio.sleep(0.05)
-        (letter,) = await redis.xrange(KEYS.dead)
-        assert b"refused" in letter[1][b"m"]
+        ((_, letter),) = await redis.xrange(KEYS.dead)
+        body = decode_dead_letter(letter[b"m"])
+        assert "refused" in body.reason and body.entry_id.split("-")[0].isdigit()  # its request stream entry
         assert await redis.xlen(KEYS.requests) == 0  # acknowledged: no worker meets it again
-    assert running.worker.engine.stats().running == 0 and not running.worker.relays
+    assert running.worker.engine.stats().running == 0 and not running.worker.runs

@@ -165,7 +165,7 @@ async def test_a_request_preempted_to_its_limit_runs_to_the_end(start_worker: An
     await first.result(timeout=60)
 
     async def resumed() -> bool:  # claimed back and running here again
-        return await fence(redis, batch.id, Fence.ATTEMPT, client.keys) >= 2 and batch.id in running.worker.relays
+        return await fence(redis, batch.id, Fence.ATTEMPT, client.keys) >= 2 and batch.id in running.worker.runs
 
     await wait_until(resumed, within_s=30)
     second = await client.submit(input_ids=[9, 7], max_new_tokens=10, temperature=0, priority="interactive")

@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 
 from client import AsyncClient, RequestFailed
 from client.store import CONSUMER_GROUP, Keys
-from tests import poison
+from testing import poison
 from tests.polling import wait_until
 from worker.engine import EngineRequest, GenerationParams
 from worker.engine.sampling import FusedSampler

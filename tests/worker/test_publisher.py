@@ -130,3 +130,25 @@ async def test_each_client_gets_one_notice_per_flush_naming_its_streams(redis: A
     assert 0 < await redis.ttl(KEYS.wake("c1")) <= 600
     assert len(await redis.keys(f"{KEYS.tag}:wake:*")) == 2  # r3 named no client: no notice
     flusher.cancel()
+
+
+async def test_an_event_past_what_the_stream_holds_is_not_written_and_reported_behind(redis: Any) -> None:
+    """After a failover lost a stream's last writes, the fence says it holds fewer tokens than the worker's next
+    event follows. Writing it would leave a gap every later reader trips over; the publisher reports the request
+    instead (to be handed back and resumed from what the stream holds) and drops its other queued events."""
+    behind: list[Target] = []
+    publisher = Publisher(redis, KEYS, on_behind=behind.append)
+    flusher = asyncio.create_task(publisher.run())
+    (entry,) = await enqueue(redis, 1)
+    target = Target("r", 60, attempt=1, entry_id=entry)
+    await redis.hset(KEYS.fence("r"), mapping={"a": 1})
+    publisher.tokens(target, TokensEvent(seq=0, ids=[1, 2], text="ab"))
+    await publisher.wait_idle()
+    await redis.hset(KEYS.fence("r"), "n", 1)  # the promoted replica had only the first token
+    publisher.tokens(target, TokensEvent(seq=2, ids=[3], text="c"))
+    publisher.finish(target, done(3), seq=3)
+    await publisher.wait_idle()
+    assert behind == [target] and publisher.stats.behind == 1
+    assert [e.type for e in [decode_event(f[b"m"]) for _, f in await redis.xrange(KEYS.result("r"))]] == ["tokens"]
+    assert (await redis.xpending(KEYS.requests, CONSUMER_GROUP))["pending"] == 1  # not acknowledged
+    flusher.cancel()

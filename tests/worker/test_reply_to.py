@@ -15,8 +15,8 @@ from redis.asyncio import Redis
 from client import AsyncClient, RequestExpired
 from client.protocol import Completion, decode_completion
 from client.store import CONSUMER_GROUP, Keys
+from testing.scripted_engine import expected_tokens, text_of
 from tests.polling import wait_until
-from tests.scripted_engine import expected_tokens, text_of
 
 KEYS = Keys("default")
 STAGE = KEYS.reply("stage2")

@@ -75,6 +75,6 @@ async def test_a_seeded_request_resumed_on_another_worker_gives_the_same_tokens(
     second = await start_worker(real_model=True, claim_interval_s=0.1)
     resumed = await job.result(timeout=120)
     assert second.worker.publisher.stats.tokens > 0  # the second worker generated the rest
-    await wait_until(lambda: not second.worker.relays)
+    await wait_until(lambda: not second.worker.runs)
     reference = await (await client.submit(**options)).result(timeout=120)  # the same seed, uninterrupted
     assert resumed.token_ids == reference.token_ids and len(resumed.token_ids) == 150

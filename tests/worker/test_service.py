@@ -4,18 +4,23 @@ logic, fast; the real engine is exercised by tests/engine, tests/e2e and the poi
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import msgpack
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import SlotNotCoveredError, WatchError
 
 from client import AsyncClient, AsyncJob, RequestExpired, RequestFailed
 from client.protocol import decode_event, decode_request, ms_now
 from client.store import CONSUMER_GROUP, Keys
+from testing.scripted_engine import expected_tokens
 from tests.polling import wait_until
-from tests.scripted_engine import expected_tokens
+from worker.cancels import CancelListener
+from worker.intake import Intake
 
 KEYS = Keys("default")
 
@@ -251,3 +256,149 @@ async def test_claiming_its_own_request_restarts_it_as_one_stream(start_worker: 
     result = await job.result(timeout=60)
     assert result.token_ids == expected
     assert running.worker.metrics.claims._value.get() >= 1
+
+
+async def test_a_worker_rides_out_the_errors_redis_pys_cluster_client_raises_outside_redis_error(
+    start_worker: Any, client: AsyncClient
+) -> None:
+    """During a shard's failover redis-py's cluster client raises `SlotNotCoveredError` (no `RedisError`) and, from
+    its asyncio client, `AttributeError` from a connection torn down under a command. The worker's loops (read,
+    publish, renew, heartbeat) treat both as Redis being away: a stream that was running ends whole, and the
+    worker serves new requests after."""
+    running = await start_worker(step_s=0.01)
+    redis = running.worker.redis
+    send = redis.execute_command
+    failing_until = 0.0
+
+    async def torn(*args: Any, **options: Any) -> Any:
+        if asyncio.get_running_loop().time() < failing_until:
+            if args[0] in ("HSET", "EVALSHA"):
+                raise AttributeError("'NoneType' object has no attribute 'writelines'")
+            raise SlotNotCoveredError("Slot 6918 is not covered by the cluster")
+        return await send(*args, **options)
+
+    redis.execute_command = torn  # type: ignore[method-assign]
+    job = await client.submit(input_ids=[3, 4, 5], max_new_tokens=60, temperature=0)
+    seen: list[int] = []
+    async for delta in job.stream(timeout=60):
+        seen += delta.token_ids
+        if len(seen) == 5:
+            failing_until = asyncio.get_running_loop().time() + 1.5
+    assert seen == expected_tokens([3, 4, 5], 60)
+    assert failing_until > 0 and not running.task.done()
+    after = await client.submit(input_ids=[7, 8], max_new_tokens=4, temperature=0)
+    assert (await after.result(timeout=30)).token_ids == expected_tokens([7, 8], 4)
+
+
+async def test_a_worker_whose_cancellation_redis_py_swallows_still_stops(
+    start_worker: Any, client: AsyncClient
+) -> None:
+    """redis-py can lose a cancellation (on Python 3.11 its send path's `wait_for` returns the result instead):
+    simulated here by a call that catches it and answers. The worker's task ends all the same, without draining
+    (its requests stay pending for another worker to claim, as after a crash)."""
+    running = await start_worker(step_s=0.01)
+    redis = running.worker.redis
+    send = redis.execute_command
+
+    in_the_read_loop = asyncio.Event()
+
+    async def swallowing(*args: Any, **options: Any) -> Any:
+        if asyncio.current_task() is running.task:
+            in_the_read_loop.set()
+            with contextlib.suppress(asyncio.CancelledError):  # lost: from above, the call returns normally
+                await asyncio.sleep(0.2)
+        return await send(*args, **options)
+
+    job = await client.submit(input_ids=[3, 4, 5], max_new_tokens=500)
+    async for _ in job.stream(timeout=30):
+        break
+    redis.execute_command = swallowing  # type: ignore[method-assign]
+    await asyncio.wait_for(in_the_read_loop.wait(), 10)
+    running.task.cancel()
+    await asyncio.wait([running.task], timeout=10)
+    assert running.task.cancelled()
+    assert (await client.status()).pending == 1  # not handed back: a cancelled worker is a crashed one
+
+
+async def test_a_worker_whose_helper_dies_drains_and_exits_with_the_error(
+    start_worker: Any, client: AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that can no longer hear cancels (or renew leases, or publish) must not serve on half-blind: it
+    stops, and `run` raises, so the process exits non-zero and its supervisor restarts it."""
+
+    async def dies(self: CancelListener, finished: asyncio.Event) -> None:
+        raise KeyError("a bug in the cancel listener")
+
+    monkeypatch.setattr(CancelListener, "run", dies)
+    running = await start_worker()
+    with pytest.raises(RuntimeError, match="worker loop died") as raised:
+        await asyncio.wait_for(running.task, 30)
+    assert isinstance(raised.value.__cause__, KeyError)
+
+
+async def test_a_stream_that_lost_its_last_writes_is_resumed_from_what_it_holds(
+    start_worker: Any, client: AsyncClient, redis_url: str
+) -> None:
+    """What a failover with asynchronous replication can do: the promoted replica lacks the last events of a
+    running request's stream (and its fence counts only what it holds). Simulated here by cutting the stream's
+    tail and the fence's count together, mid-stream. The worker must not write on past the hole: it hands the
+    request back, it is resumed from what the stream holds, and the stream ends whole, without a gap."""
+    await start_worker(step_s=0.01)
+    job = await client.submit(input_ids=[3, 4, 5], max_new_tokens=120, temperature=0)
+    seen: list[int] = []
+    cut = False
+    async with Redis.from_url(redis_url) as redis:
+        async for delta in job.stream(timeout=60):
+            seen += delta.token_ids
+            if len(seen) >= 30 and not cut:
+                await cut_the_tail(redis, job.id, keep=10)
+                cut = True
+        events = await raw_entries(redis, KEYS.result(job.id))
+    assert seen == expected_tokens([3, 4, 5], 120)  # the reader saw each token once (the repeats are skipped)
+    tokens = [event for event in events if event.type == "tokens"]
+    assert [t.seq for t in tokens] == list(itertools.accumulate([0] + [len(t.ids) for t in tokens[:-1]]))  # no gap
+    assert [i for t in tokens for i in t.ids] == expected_tokens([3, 4, 5], 120)
+    assert events[-1].type == "done"
+
+
+async def cut_the_tail(redis: Redis, request_id: str, keep: int) -> None:
+    """Deletes a result stream's entries after the first `keep` and sets the fence's token count to what is left,
+    in one transaction against the worker's writes."""
+    result, fence = KEYS.result(request_id), KEYS.fence(request_id)
+    async with redis.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                await pipe.watch(result, fence)
+                entries = await pipe.xrange(result)
+                left = [decode_event(fields[b"m"]) for _, fields in entries[:keep]]
+                pipe.multi()
+                pipe.xdel(result, *[entry_id for entry_id, _ in entries[keep:]])
+                pipe.hset(fence, "n", sum(len(event.ids) for event in left if event.type == "tokens"))
+                await pipe.execute()
+                return
+            except WatchError:
+                continue
+
+
+async def test_a_cancel_that_comes_between_the_marks_read_and_the_start_still_cancels(
+    start_worker: Any, client: AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The intake reads a request's cancel mark, then the engine starts it: a cancel whose message arrives in
+    between found nothing to cancel in the engine and was lost (the request ran to its end). The listener remembers
+    it, and the start applies it."""
+    running = await start_worker(step_s=0.01)
+    listener = running.worker.cancels[0]
+    prepare = Intake.prepare
+
+    async def cancel_after_the_read(self: Intake, accepted: list[Any], *args: Any, **kwargs: Any) -> Any:
+        ready, refused = await prepare(self, accepted, *args, **kwargs)  # the mark read: not cancelled
+        for item in ready:
+            await AsyncJob.attach(client, item.accepted.request.id).cancel()
+            await wait_until(lambda item=item: listener.heard(item.accepted.request.id))
+        return ready, refused
+
+    monkeypatch.setattr(Intake, "prepare", cancel_after_the_read)
+    job = await client.submit(input_ids=[3, 4], max_new_tokens=300)
+    async for _ in job.stream(timeout=30):
+        pass
+    assert job.finish_reason == "cancelled"

@@ -1,0 +1,127 @@
+"""`llmq-worker` as a person meets it: `--version` and `--help` without loading torch, help that shows no pydantic
+internals, one line (not a traceback) when the `worker` extra is missing, and flags that outrank the environment.
+The helpers here serve tests/gateway/test_entrypoint.py too."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+import client
+from serverlog.cli import parse
+from worker.config import Settings
+
+ROOT = Path(__file__).parent.parent.parent
+
+# Runs an entry point with some top-level modules unimportable, as they are without the extra; a module that the
+# command tries to load anyway fails it, so a clean `--help` under the block also shows it never loaded them.
+_BLOCKED = """
+import sys
+blocked = set(sys.argv[2].split(","))
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name in blocked or name.partition(".")[0] in blocked:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Block())
+from importlib import import_module
+import_module(sys.argv[1]).main(sys.argv[3:])
+"""
+
+# What pydantic-settings' own CLI printed: type reprs, `{Path,null}`-style unions, masked secrets.
+_PYDANTIC_INTERNALS = re.compile(r"SecretStr|\{\w+(,\w+)+\}|\*{3,}|default factory")
+
+
+def command(module: str, *args: str, blocked: Iterable[str] = (), cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`module`'s `main(args)` in a fresh interpreter, with no `LLMQ_*` variables and no `.env` (cwd is empty)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("LLMQ_")}
+    env |= {"PYTHONPATH": str(ROOT), "COLUMNS": "100"}
+    argv = [sys.executable, "-c", _BLOCKED, module, ",".join(blocked) or "-", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, cwd=cwd)
+
+
+def flag_help(help_text: str) -> dict[str, str]:
+    """Each option of `--help` -> its help text, whitespace collapsed (argparse puts it after two spaces or on the
+    next lines)."""
+    options = help_text.split("\noptions:\n", 1)[1].split("\n\n", 1)[0]
+    entries = re.split(r"\n(?=  -)", options)
+    parts = [re.split(r"\s{2,}", entry.strip(), maxsplit=1) for entry in entries]
+    return {part[0].split(",")[0].split()[0]: " ".join(part[1].split()) if len(part) > 1 else "" for part in parts}
+
+
+def check_help(done: subprocess.CompletedProcess[str], settings_cls: type[BaseModel], env_prefix: str) -> None:
+    """A clean help: every setting a flag, every flag a help line with its environment variable, nothing of
+    pydantic's."""
+    assert done.returncode == 0, done.stderr
+    assert not _PYDANTIC_INTERNALS.search(done.stdout), _PYDANTIC_INTERNALS.search(done.stdout)
+    flags = flag_help(done.stdout)
+    assert {f"--{name.replace('_', '-')}" for name in settings_cls.model_fields} | {"-h", "--version"} == set(flags)
+    assert all(flags.values()), [flag for flag, text in flags.items() if not text]
+    for name in settings_cls.model_fields:
+        assert f"env {env_prefix}{name.upper()}" in flags[f"--{name.replace('_', '-')}"]
+
+
+def test_version_is_the_distributions_and_loads_no_torch(tmp_path: Path) -> None:
+    done = command("worker.__main__", "--version", blocked=["torch", "transformers"], cwd=tmp_path)
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"llmq-redis {client.__version__}\n", "")
+
+
+def test_help_is_clean_and_loads_no_torch(tmp_path: Path) -> None:
+    done = command("worker.__main__", "--help", blocked=["torch", "transformers"], cwd=tmp_path)
+    check_help(done, Settings, "LLMQ_")
+    flags = flag_help(done.stdout)
+    assert "default: redis://localhost:6379/0" in flags["--redis-url"]  # a secret's default, shown: no password
+    assert "default: unset" in flags["--seed"] and "default: on" in flags["--preemption"]
+    assert "Exit status" in done.stdout and "'worker' extra" in done.stdout
+
+
+@pytest.mark.parametrize("missing", ["torch", "transformers", "pydantic_settings"])
+def test_without_the_extra_one_line_says_what_to_install(tmp_path: Path, missing: str) -> None:
+    done = command("worker.__main__", "--model", "smollm2", blocked=[missing], cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr == "llmq-worker: the worker needs the 'worker' extra: pip install 'llmq-redis[worker]'\n"
+
+
+def test_another_missing_module_is_not_blamed_on_the_extra(tmp_path: Path) -> None:
+    done = command("worker.__main__", blocked=["worker.process"], cwd=tmp_path)
+    assert done.returncode == 1 and "Traceback" in done.stderr and "extra" not in done.stderr
+
+
+@pytest.fixture
+def no_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.MonkeyPatch:
+    for key in [key for key in os.environ if key.startswith("LLMQ_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)  # no .env
+    return monkeypatch
+
+
+def test_flags_outrank_the_environment_and_null_unsets(no_environment: pytest.MonkeyPatch) -> None:
+    no_environment.setenv("LLMQ_QUEUE", "from-env")
+    no_environment.setenv("LLMQ_SEED", "7")
+    no_environment.setenv("LLMQ_MAX_RUNNING", "9")
+    settings = parse(
+        Settings,
+        ["--queue", "from-flag", "--seed", "null", "--no-preemption", "--lane-share=0.2"],
+        description="",
+        exits="",
+    )
+    assert (settings.queue, settings.seed, settings.max_running) == ("from-flag", None, 9)
+    assert (settings.preemption, settings.lane_share) == (False, 0.2)
+
+
+def test_a_bad_value_is_a_usage_error_that_never_prints_it(
+    no_environment: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    no_environment.setenv("LLMQ_REDIS_URL", "redis://app:hunter2@host:6379/0")
+    with pytest.raises(SystemExit) as stop:
+        parse(Settings, ["--max-running", "0", "--page-size", "many"], description="", exits="")
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "hunter2" not in err
+    assert "--max-running (LLMQ_MAX_RUNNING): Input should be greater than or equal to 1" in err
+    assert "--page-size (LLMQ_PAGE_SIZE)" in err and "many" not in err
