@@ -13,6 +13,7 @@ from worker.engine.types import (
     OutputDelta,
     OutputFormat,
     Resume,
+    Step,
     TokenLogprob,
 )
 
@@ -35,6 +36,7 @@ __all__ = [
     "RequestRejected",
     "RequestStream",
     "Resume",
+    "Step",
     "TokenLogprob",
     "load_model",
 ]

@@ -105,12 +105,6 @@ def decode_attention(query: torch.Tensor, group: DecodeGroup, paged: PagedKV, sc
     return out.reshape(n, -1, head_dim)
 
 
-def register() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTENTION_NAME, varlen_sdpa_forward)
-
-
 def supports_varlen(model: Any) -> bool:
     return supports_varlen_config(model.config)
 

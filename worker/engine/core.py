@@ -1,7 +1,8 @@
 """The continuous-batching engine: a small asyncio interface over transformers' own CB manager.
 
 The library's manager runs the model in its own thread (paged KV cache, chunked prefill, requests joining
-and leaving the batch every step). This adapter adds what the library does not do safely (5.24): explicit
+and leaving the batch every step); `library.py` builds it, installs our hooks and is our only way into it. This
+adapter adds what the library does not do safely (5.24): explicit
 cache sizing, validation before anything reaches its thread, admission by free KV blocks (so the library
 never has to evict a running request), stop strings, deltas instead of cumulative outputs, cancellation
 that ends the caller's stream, restart after the thread dies, and stats.
@@ -16,19 +17,13 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import queue
 import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from transformers import GenerationConfig
-from transformers.generation.configuration_utils import ContinuousBatchingConfig
-from transformers.generation.continuous_batching import ContinuousBatchingManager
-from transformers.generation.continuous_batching.requests import GenerationOutput
-
-from worker.engine import attention, fastpath, lean_layers, sampling, urgency
+from worker.engine import library
 from worker.engine.constraints import Grammars
 from worker.engine.errors import EngineClosed, EngineError, EngineFailed, RequestRejected
 from worker.engine.inputs import InputProcessor, ModelLimits
@@ -43,6 +38,7 @@ from worker.engine.types import (
     GenerationParams,
     OutputDelta,
     Resume,
+    Step,
     TokenLogprob,
 )
 
@@ -81,7 +77,7 @@ class Engine:
         self._urgent: set[str] = set()  # library ids of urgent requests, whose prefill the scheduler takes first
         self._row_states: dict[str, RowState] = {}  # by library id: the requests the sampler treats apart
         self._per_row = True  # the fused sampler is installed (not with CUDA graphs): per-row features work
-        self._manager: ContinuousBatchingManager | None = None
+        self._manager: library.Manager | None = None
         self._inputs: InputProcessor | None = None
         self._num_blocks = 0
         self._reserved_blocks = 0
@@ -114,8 +110,8 @@ class Engine:
             self._end(stream, "error", EngineClosed("the engine is shutting down"))
         if self._manager is not None:
             manager, self._manager = self._manager, None
-            await asyncio.to_thread(manager.stop, block=True, timeout=self.config.stop_timeout_s, hard_stop=True)
-        self._restore_attention()
+            await asyncio.to_thread(manager.stop, self.config.stop_timeout_s, hard_stop=True)
+        library.restore(self.model)
 
     async def __aenter__(self) -> Engine:
         return await self.start()
@@ -192,7 +188,7 @@ class Engine:
         if stream is None:
             return False
         if stream.library_id in self._running and self._manager is not None:
-            self._manager.cancel_request(stream.library_id)
+            self._manager.cancel(stream.library_id)
         stream.put(OutputDelta(request_id, [], "", Finish.CANCELLED, stream.prompt_tokens))
         self._end(stream, Finish.CANCELLED)
         return True
@@ -203,8 +199,8 @@ class Engine:
             return 0  # closing, restarting, or KV-bound (a suspect waits only for the one running suspect)
         return max(0, self.config.max_running - len(self._running) - len(self._waiting))
 
-    def observe_steps(self, observer: Callable[[int], None]) -> None:
-        """Calls `observer(tokens)` after every step, from the engine's thread."""
+    def observe_steps(self, observer: Callable[[Step], None]) -> None:
+        """Calls `observer(step)` after every step, from the engine's thread."""
         self.counters.step_observers.append(observer)
 
     @property
@@ -217,9 +213,7 @@ class Engine:
         return not self._running and not self._waiting
 
     def stats(self) -> EngineStats:
-        manager = self._manager
-        processor = manager.batch_processor if manager is not None else None
-        free = processor.cache.compute_free_capacity() if processor is not None else 1.0
+        free = self._manager.free_capacity() if self._manager is not None else 1.0
         fill = self.counters.fill_percentiles(self.config.max_batch_tokens)
         return EngineStats(
             kv_blocks_total=self._num_blocks,
@@ -237,71 +231,38 @@ class Engine:
             batch_fill_p99=fill[2],
             requests_finished=dict(self.counters.finished),
             restarts=self.counters.restarts,
+            generation_tokens=self.counters.generation_tokens,
+            prefix_cache_queries=self.counters.prefix_cache_queries,
+            prefix_cache_hits=self.counters.prefix_cache_hits,
+            paths=dict(self.counters.paths),
         )
 
     # ------------------------------------------------------------------ internals
 
     def _start_manager(self) -> None:
         """Builds and starts a fresh library manager (blocking: runs in a worker thread)."""
-        sizing = self.config
-        self._restore_attention()
-        manager = self.model.init_continuous_batching(
-            # Processors are created only for non-default values; every request then passes its own.
-            generation_config=GenerationConfig(
-                do_sample=True, temperature=0.5, top_k=50, top_p=0.9, eos_token_id=list(self.eos_token_ids) or -1
-            ),
-            continuous_batching_config=ContinuousBatchingConfig(
-                page_size=sizing.page_size,
-                num_blocks=max(1, sizing.kv_cache_tokens // sizing.page_size),
-                max_batch_tokens=sizing.max_batch_tokens,
-                max_requests_per_batch=sizing.max_running,
-                allow_block_sharing=sizing.prefix_sharing,
-                per_request_processors=True,
-                seed=sizing.seed,
-            ),
-        )
-        paths = fastpath.choose(self.model, self.config.varlen_attention)
-        if paths.varlen_attention:
-            # Switched after the manager checked the implementation and before it builds its batch buffers,
-            # so it builds no dense masks either; switched back before any new manager and on close.
-            attention.register()
-            self.model.set_attn_implementation(attention.ATTENTION_NAME)
-        if paths.lean_layers:
-            lean_layers.install(self.model)
-        manager.warmup()  # allocates the paged cache now, so its real size is known before the first request
-        # The fused sampler goes in wherever CUDA graphs are off (it declines otherwise): per-request seeds,
-        # logprobs, penalties and response formats need it, on any device.
-        self._per_row = sampling.install(manager, self._row_states)
-        fastpath.install_reads(manager)
-        urgency.install(manager, self._urgent)
-        self.counters.instrument(manager)
-        manager.start()
-        cache = manager.batch_processor.cache
-        self._num_blocks = int(cache.num_blocks)
+        hooks = library.Hooks(urgent=self._urgent, row_states=self._row_states, counters=self.counters)
+        manager = library.start(self.model, self.config, self.eos_token_ids, hooks)
+        self._per_row = manager.per_row
+        self._num_blocks = manager.num_blocks
         self._inputs = InputProcessor(
             self.tokenizer,
             ModelLimits(
                 vocab_size=self.vocab_size,
                 max_context=int(getattr(self.model.config.get_text_config(), "max_position_embeddings", 1 << 30)),
-                max_cached_tokens=self._num_blocks * sizing.page_size,
+                max_cached_tokens=self._num_blocks * self.config.page_size,
             ),
         )
         self._publish(manager)
 
-    def _publish(self, manager: ContinuousBatchingManager) -> None:
+    def _publish(self, manager: library.Manager) -> None:
         """Makes a started manager the engine's, unless the engine closed meanwhile: then nobody else would stop
         its (non-daemon) thread, and the process could never exit."""
         with self._lifecycle:
             if not self._closing:
                 self._manager = manager
                 return
-        manager.stop(block=True, timeout=self.config.stop_timeout_s, hard_stop=True)
-
-    def _restore_attention(self) -> None:
-        """Gives the model back its SDPA attention and layers, for the library's checks and for `model.generate`."""
-        lean_layers.uninstall(self.model)
-        if self.model.config._attn_implementation == attention.ATTENTION_NAME:
-            self.model.set_attn_implementation("sdpa")
+        manager.stop(self.config.stop_timeout_s, hard_stop=True)
 
     def _admit(self) -> None:
         """Starts waiting requests (urgent ones were queued first, then oldest first) while batch slots and
@@ -318,17 +279,14 @@ class Engine:
                 continue
             if self._reserved_blocks + stream.kv_blocks > self._num_blocks:
                 return  # nothing overtakes a request waiting for KV blocks
-            if manager.background_thread_status.can_accept_new_requests() is not None:
+            if manager.refusal() is not None:
                 return
             self._waiting.remove(stream)
             self._reserved_blocks += stream.kv_blocks
             self._running[stream.library_id] = stream
-            manager.register_result_handler(stream.library_id, self._on_output)
-            # The library's input queue is unbounded here, so this put never blocks the loop.
-            if manager.add_request(**self._library_request(stream)) is None:  # refused: stopping after all
+            if not manager.add(self._on_output, self._library_request(stream)):  # refused: stopping after all
                 del self._running[stream.library_id]
                 self._reserved_blocks -= stream.kv_blocks
-                manager.output_router.result_handlers.pop(stream.library_id, None)
                 self._waiting.appendleft(stream)
                 return
             suspect_running = suspect_running or stream.request.suspect
@@ -352,14 +310,14 @@ class Engine:
         top_k = min(params.top_k, self.vocab_size) if params.top_k > 0 else self.vocab_size  # int32 in the library
         return {"temperature": float(params.temperature), "top_k": int(top_k), "top_p": float(params.top_p)}
 
-    def _on_output(self, output: GenerationOutput) -> None:
+    def _on_output(self, output: library.LibraryOutput) -> None:
         """Called on the loop for each library output of a running request (cumulative tokens)."""
         stream = self._running.get(output.request_id)
         if stream is None:  # cancelled or stopped meanwhile
             return
         if output.error is not None:
             manager = self._manager
-            if manager is None or manager.background_thread_status.can_accept_new_requests() is not None:
+            if manager is None or manager.refusal() is not None:
                 return  # the thread is dying: the watchdog ends every request it ran at once, blaming consistently
             self._end(stream, "error", EngineFailed(f"the engine failed this request: {output.error}"))
             return
@@ -375,7 +333,7 @@ class Engine:
         if stop_hit:
             reason = Finish.STOP
             if not finished and self._manager is not None:
-                self._manager.cancel_request(stream.library_id)
+                self._manager.cancel(stream.library_id)
         elif finished:
             eos = not stream.request.params.ignore_eos and bool(tokens) and tokens[-1] in self.eos_token_ids
             reason = Finish.EOS if eos else Finish.LENGTH
@@ -399,7 +357,7 @@ class Engine:
             del self._running[stream.library_id]
             self._reserved_blocks -= stream.kv_blocks
             if self._manager is not None:
-                self._manager.output_router.result_handlers.pop(stream.library_id, None)
+                self._manager.forget(stream.library_id)
         else:
             with contextlib.suppress(ValueError):
                 self._waiting.remove(stream)
@@ -414,11 +372,11 @@ class Engine:
             await asyncio.sleep(_WATCHDOG_PERIOD_S)
             manager = self._manager
             if manager is not None:
-                _discard(manager.output_router.output_queue)
+                manager.discard_unclaimed()
             if manager is None or manager.is_running() or self._closing:
                 continue
             self.counters.restarts += 1
-            fatal = manager.background_thread_status.fatal_error
+            fatal = manager.fatal_error
             self._manager = None  # first: ending streams admits waiting ones, which must wait for the new manager
             failed = list(self._running.values())
             suspect_ran = any(stream.request.suspect for stream in failed)
@@ -428,7 +386,7 @@ class Engine:
                     implicated=stream.request.suspect or not suspect_ran,
                 )
                 self._end(stream, "error", error)
-            await asyncio.to_thread(manager.stop, block=True, timeout=self.config.stop_timeout_s)
+            await asyncio.to_thread(manager.stop, self.config.stop_timeout_s)
             await self._restart_manager()
 
     async def _restart_manager(self) -> None:
@@ -442,14 +400,6 @@ class Engine:
                 continue
             self._admit()
             return
-
-
-def _discard(unclaimed: queue.Queue[Any]) -> None:
-    """Drops outputs no handler took (the last one or two of a request we already ended): nothing reads the
-    library's shared queue, so without this it would only grow."""
-    with contextlib.suppress(queue.Empty):
-        while True:
-            unclaimed.get_nowait()
 
 
 def _eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:

@@ -1,15 +1,16 @@
 """Which of our CPU fast paths the engine uses, decided in one place from the device and the model.
 
 Our per-request/batched attention (`attention.py`), its paged cache reads (`paged_reads.py`, with the native decode
-kernel of `cpu_kernels.py` where it builds) and the lean decoder layers (`lean_layers.py`) were measured to win on
-CPU, where the library falls back to dense masked SDPA and a step's op dispatch costs more than its matrix
+kernel of `kernels/cpu_kernels.py` where it builds) and the lean decoder layers (`lean_layers.py`) were measured to
+win on CPU, where the library falls back to dense masked SDPA and a step's op dispatch costs more than its matrix
 multiplies. On CUDA the library's own paths are better and must stay untouched: flash / paged kernels with a block
 table, CUDA graphs, no host synchronisation per layer. So they are CPU-only, attention also needs plain full
 attention, and lean layers a Llama-family layer. (The fused sampler, `sampling.py`, is not a choice made here: it
 carries the per-request features and installs itself wherever CUDA graphs are off.)
 
-Engine hook (`core.py`): `choose(model, config.varlen_attention)` before the manager's warmup (switch attention when
-`varlen_attention`, install lean layers when `lean_layers`), and `install_reads(manager)` after the warmup.
+`library.start` asks `choose(model, config.varlen_attention)` before the manager's warmup (switches attention when
+`varlen_attention`, installs lean layers when `lean_layers`) and installs the paged reads after the warmup, where
+`paged_reads` and the model runs our attention on the CPU.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from typing import Any
 
 import torch
 
-from worker.engine import cpu_kernels, lean_layers, paged_reads
-from worker.engine.attention import ATTENTION_NAME, supports_varlen_config
+from worker.engine import lean_layers
+from worker.engine.attention import supports_varlen_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,12 +45,3 @@ def choose(model: Any, varlen_attention: bool = True) -> FastPaths:
     if varlen_attention:
         return paths
     return FastPaths(varlen_attention=False, paged_reads=False, lean_layers=False)
-
-
-def install_reads(manager: Any) -> bool:
-    """After the manager's warmup (its cache exists): attention reads the paged cache directly, where the model runs
-    our attention function on CPU. True when installed."""
-    model = manager.model
-    if model.config._attn_implementation != ATTENTION_NAME or torch.device(model.device).type != "cpu":
-        return False
-    return paged_reads.install(manager.batch_processor.cache, cpu_kernels.load())

@@ -1,12 +1,12 @@
 """What the worker uses of an engine, as a `typing.Protocol`: `Engine` implements it over transformers, and a
-scripted engine (`tests/scripted_engine.py`) implements it in a few lines for service tests and benchmarks."""
+scripted engine (`testing/scripted_engine.py`) implements it in a few lines for service tests and benchmarks."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-from worker.engine.types import EngineRequest, EngineStats, OutputDelta
+from worker.engine.types import EngineRequest, EngineStats, OutputDelta, Step
 
 
 class DeltaStream(Protocol):
@@ -39,6 +39,6 @@ class GenerationEngine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
-    def observe_steps(self, observer: Callable[[int], None]) -> None:
-        """Calls `observer(tokens)` after every step (from the engine's thread: keep it cheap)."""
+    def observe_steps(self, observer: Callable[[Step], None]) -> None:
+        """Calls `observer(step)` after every step (from the engine's thread: keep it cheap)."""
         ...

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch.nn import functional
 
-from worker.engine import cpu_kernels
 from worker.engine.attention import ATTENTION_NAME, varlen_sdpa_forward
+from worker.engine.kernels import cpu_kernels
 from worker.engine.prepack import PackedLinear, StackedLinears, packed_product
 
 # Decoder layers whose forward this reproduces (checked against the library's, bitwise, in tests), by model type.

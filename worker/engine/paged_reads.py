@@ -2,11 +2,11 @@
 
 transformers' paged cache (5.24, index path) writes each layer's new K/V and then `index_select`s every running
 request's whole past into one concatenated tensor, which attention then slices again: a second full copy of the
-cache per layer and step, which was about a third of a 32-row decode step on CPU. `install(cache)` overrides that
-one cache's `update` (an instance attribute, nothing global): it writes the new K/V as the library does, skips the
-read-back, and hands attention the layer's cache view and a per-step `StepPlan`. Attention then reads each decode
-row's keys in place with the native kernel (`cpu_kernels.py`), or, where it could not be built, copies them once
-into the padded layout of a few batched SDPA calls (`attention.py`).
+cache per layer and step, which was about a third of a 32-row decode step on CPU. `library.py` overrides that one
+cache's `update` (an instance attribute, nothing global) with `PagedReads.update`: it writes the new K/V as the
+library does, skips the read-back, and hands attention the layer's cache view and a per-step `StepPlan`. Attention
+then reads each decode row's keys in place with the native kernel (`kernels/cpu_kernels.py`), or, where it could not
+be built, copies them once into the padded layout of a few batched SDPA calls (`attention.py`).
 
 The plan is built once per step (the first layer) and shared by every layer: all decode rows for the kernel, or
 sorted by length and cut into a few padded groups (each one gather and one attention call); prefill chunks are kept
@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
 
-from worker.engine.cpu_kernels import DecodeRows, PagedDecode
+from worker.engine.kernels.cpu_kernels import DecodeRows, PagedDecode
 
 PAGED_KV = "llmq_paged_kv"  # the attention kwarg that carries a `PagedKV`
 # What one more attention call costs, in padded key rows (one row = one key of one decode row): a call and its
@@ -151,43 +150,40 @@ def _group(rows: list[tuple[int, int, int]], read_index: torch.Tensor) -> Decode
     )
 
 
-def supports_paged_reads(cache: Any) -> bool:
-    """Only full-attention layers on the index path: sliding windows read a ring, not a request's whole past."""
-    allocators = list(getattr(cache, "cache_allocators", {}).values())
-    return bool(allocators) and all(isinstance(a, FullAttentionCacheAllocator) for a in allocators)
+class PagedReads:
+    """One cache's reads on the steps that read it: each layer's new K/V written into its cache view, the step
+    planned once (its first layer) for every layer of the same cache group, decode rows planned for `kernel` where
+    given."""
 
-
-def install(cache: Any, kernel: PagedDecode | None = None) -> bool:
-    """Makes this cache hand attention `PagedKV` instead of copied K/V on steps that read the cache, its decode rows
-    planned for `kernel` where given. Returns False (and changes nothing) where the layout is not plain full
-    attention."""
-    if not supports_paged_reads(cache) or getattr(cache, "_llmq_paged_reads", False):
-        return False
-    library_update = cache.update
-    step: dict[str, Any] = {"source": None, "plans": {}}  # plans by allocator, for the step whose list is "source"
+    def __init__(self, kernel: PagedDecode | None = None) -> None:
+        self.kernel = kernel
+        self._source: object = None  # the step's list of read indices (rebuilt by the library for every batch)
+        self._plans: dict[int, StepPlan] = {}  # by cache group, for the step whose list is `_source`
 
     def update(
-        key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: dict[str, Any]
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        view: tuple[torch.Tensor, torch.Tensor],
+        group: int,
+        layer_type: str,
+        kwargs: dict[str, Any],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        allocator = cache.layer_to_allocator[layer_idx]
-        read_indices = kwargs.get("read_index")
-        if kwargs.get("block_table") is not None or not read_indices or read_indices[allocator.index].numel() == 0:
-            return library_update(key_states, value_states, layer_idx, kwargs)  # no cache read: nothing to save
-        keys, values = allocator._kv_token_views[layer_idx]
-        write_index = kwargs["write_index"][allocator.index]
+        """Writes the new K/V (`[1, kv_heads, new, head_dim]`) into the layer's cache `view` and puts `PagedKV` into
+        the attention `kwargs`; returns only the new K/V, as attention reads the past through `PAGED_KV`. `group` is
+        the layer's cache group (its row of `read_index` / `write_index`), `layer_type` its key of `cu_seq_lens_k`."""
+        keys, values = view
+        read_indices = kwargs["read_index"]
+        write_index = kwargs["write_index"][group]
         keys.index_copy_(0, write_index, key_states[0].transpose(0, 1))
         values.index_copy_(0, write_index, value_states[0].transpose(0, 1))
-        if step["source"] is not read_indices:  # first layer of a step: the list is rebuilt for every batch
-            step["source"], step["plans"] = read_indices, {}
-        plan = step["plans"].get(allocator.index)
+        if self._source is not read_indices:  # first layer of a step
+            self._source, self._plans = read_indices, {}
+        plan = self._plans.get(group)
         if plan is None:
-            key_offsets = kwargs["cu_seq_lens_k"][allocator.layer_type].tolist()
-            plan = step["plans"][allocator.index] = plan_step(
-                kwargs["cu_seq_lens_q"].tolist(), key_offsets, read_indices[allocator.index], kernel=kernel
+            key_offsets = kwargs["cu_seq_lens_k"][layer_type].tolist()
+            plan = self._plans[group] = plan_step(
+                kwargs["cu_seq_lens_q"].tolist(), key_offsets, read_indices[group], kernel=self.kernel
             )
         kwargs[PAGED_KV] = PagedKV(keys, values, plan)
-        return key_states, value_states  # only the new K/V; attention reads the past through PAGED_KV
-
-    cache.update = update
-    cache._llmq_paged_reads = True
-    return True
+        return key_states, value_states

@@ -9,39 +9,44 @@ It reads the per-row values that the library's own per-request processors alread
 `logits_processor_args`, so request submission is unchanged. Rows of requests that need their own treatment
 (penalties, a response format, a seed, log-probabilities: `worker.engine.rows`) are found through the batch's
 requests, in the order the library lays out its logits rows. Not for CUDA graphs: it branches on the batch.
+`library.py` installs it and tells it where those values and requests are (`ArgumentRows`, `batch_ids`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
-from transformers.generation.continuous_batching.cb_logits_processors import (
-    ContinuousBatchingTemperatureLogitsWarper,
-    ContinuousBatchingTopKLogitsWarper,
-    ContinuousBatchingTopPLogitsWarper,
-)
 
 from worker.engine.constraints import mask_rows
 from worker.engine.rows import RowState, token_logprobs
 
 
+@dataclass(frozen=True, slots=True)
+class ArgumentRows:
+    """Which row of the library's per-request argument tensor holds each value (one int32 row per processor)."""
+
+    temperature: int
+    top_k: int
+    top_p: int
+
+
 class FusedSampler:
-    """Stands in for the model runner's logits-processor list and its `_sample` (transformers 5.24).
-    `row_states` (library request id -> `RowState`) is the engine's, read here from the library's thread."""
+    """Stands in for the model runner's logits-processor list and its `_sample` (`library.py` puts it there).
+    `batch_ids()` gives the library ids of the requests that get a logits row this step, in row order; `row_states`
+    (library request id -> `RowState`) is the engine's, read here from the library's thread."""
 
     do_processing = True
 
-    def __init__(self, processors: Any, batch: Any, row_states: Mapping[str, RowState]) -> None:
-        rows = {}
-        for index, processor in enumerate(p for p in processors.logits_processor if hasattr(p, "fill_defaults")):
-            rows[type(processor)] = index
-        self._temperature_row = rows[ContinuousBatchingTemperatureLogitsWarper]
-        self._top_k_row = rows[ContinuousBatchingTopKLogitsWarper]
-        self._top_p_row = rows[ContinuousBatchingTopPLogitsWarper]
+    def __init__(
+        self, rows: ArgumentRows, batch_ids: Callable[[], list[str]] | None, row_states: Mapping[str, RowState]
+    ) -> None:
+        self._temperature_row = rows.temperature
+        self._top_k_row = rows.top_k
+        self._top_p_row = rows.top_p
         self._sampled_rows: torch.Tensor | None = None  # set by __call__, read by sample() in the same forward
-        self._batch = batch  # the library's inputs: which requests the rows are
+        self._batch_ids = batch_ids  # which requests the rows are
         self._row_states = row_states
         self._special: list[tuple[int, RowState]] = []  # set by __call__, read by sample()
 
@@ -83,9 +88,9 @@ class FusedSampler:
     def _special_rows(self, count: int) -> list[tuple[int, RowState]]:
         """(row, state) of the rows whose requests need their own treatment. The library lays out one logits row
         per request that gets a token this step, in batch order."""
-        if not self._row_states:
+        if not self._row_states or self._batch_ids is None:
             return []
-        ids = [future.state.request_id for future in self._batch.requests_in_batch if future.has_new_token]
+        ids = self._batch_ids()
         states = ((row, self._row_states.get(request_id)) for row, request_id in enumerate(ids[:count]))
         return [(row, state) for row, state in states if state is not None]
 
@@ -124,18 +129,3 @@ def _top_p(rows: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     remove[..., -1:] = False  # always keep the most likely token
     rows[nucleus] = subset.masked_fill(remove.scatter(1, sorted_indices, remove), float("-inf"))
     return rows
-
-
-def install(manager: Any, row_states: Mapping[str, RowState]) -> bool:
-    """Puts the fused sampler into a started-up manager's model runner; False where CUDA graphs (or the
-    asynchronous inputs, which do not list the batch's requests) forbid it."""
-    runner = manager.batch_processor.model_runner
-    if getattr(runner, "use_cuda_graph_varlen", False) or getattr(runner, "use_cuda_graph_decode", False):
-        return False
-    batch = runner.inputs_and_outputs
-    if not hasattr(batch, "requests_in_batch"):
-        return False
-    sampler = FusedSampler(manager.logit_processor, batch, row_states)
-    runner.logit_processor = sampler
-    runner._sample = sampler.sample
-    return True

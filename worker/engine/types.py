@@ -16,6 +16,22 @@ class Finish(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class Step:
+    """One engine step as its observers see it (in the engine's thread): `tokens` fed to the forward pass, `decode`
+    of them decode rows, `generated` requests given a token (each decode row, and each prompt whose last chunk
+    ran: its first token comes from the prefill)."""
+
+    tokens: int
+    decode: int
+    generated: int
+
+    @property
+    def iteration_tokens(self) -> int:
+        """vLLM's tokens of an iteration: the prompt tokens the step ran plus the tokens it generated."""
+        return self.tokens - self.decode + self.generated
+
+
+@dataclass(frozen=True, slots=True)
 class OutputFormat:
     """A constraint on the output: `kind` "json_schema" (`spec` is the schema, serialized), "json_object", or
     "regex" (`spec` is the pattern)."""
@@ -130,13 +146,17 @@ class EngineStats:
     running: int
     waiting: int
     steps: int
-    prefill_tokens: int
-    decode_tokens: int
+    prefill_tokens: int  # prompt tokens run through a forward pass (a prefix-cache hit is not run)
+    decode_tokens: int  # decode rows: generated tokens after each request's first
+    generation_tokens: int  # every generated token, a request's first (from its prefill step) included
     batch_fill_p50: float
     batch_fill_p95: float
     batch_fill_p99: float
     requests_finished: dict[str, int]
     restarts: int
+    prefix_cache_queries: int | None = None  # prompt tokens looked up in the prefix cache; None: no prefix sharing
+    prefix_cache_hits: int | None = None  # of those, tokens found in the cache
+    paths: dict[str, str] = field(default_factory=dict)  # step component -> implementation (`library.engine_paths`)
 
     @property
     def kv_usage(self) -> float:

@@ -8,9 +8,13 @@ torch's CPU RMSNorm is seven tensor ops; the native one is one call that `rms_no
 width where it has just given torch's bits exactly.
 
 Each is compiled on first use with the machine's C compiler (`cc`, or `$CC`) for this very CPU (`-march=native`)
-and cached under `~/.cache/llmq/kernels` (`$XDG_CACHE_HOME`), keyed by the source, the flags and the CPU, so a cache
-shared between different machines never hands one a binary for another. Where there is no compiler (or it fails),
-`load()` and `rms_norm()` return None once, log why, and the engine keeps the pure-torch path.
+and cached under `~/.cache/llmq/kernels` (`$XDG_CACHE_HOME`), keyed by the source, its declared signature, the flags,
+the compiler as named and the CPU, so a cache shared between different machines never hands one a binary for
+another; the cache is read before a compiler is looked for, so an image whose build stage filled it needs none.
+Each C signature is declared once (`signatures.py`): the compiler checks the source against it and ctypes binds
+from it. Where there is no compiler (or it fails), `load()` and `rms_norm()` return None, each logging one warning
+that names what is missing and the slower torch path that runs instead, and the engine keeps that path; the worker
+exports which one runs as `llmq:engine_path` (`library.start` records it, `worker/metrics.py` serves it).
 """
 
 from __future__ import annotations
@@ -29,13 +33,18 @@ from pathlib import Path
 
 import torch
 
+from worker.config import KernelBuildSettings
+from worker.engine.kernels.signatures import PAGED_DECODE, RMS_NORM, Signature, header
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
 RMS_NORM_SOURCE = Path(__file__).with_name("rms_norm.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 EXACT_FLAGS = (*FLAGS, "-ffp-contract=off")  # no fused multiply-add where torch rounds twice
-_POINTER = ctypes.c_void_p
+# What runs instead where a kernel cannot be built: named in its warning.
+PAGED_DECODE_FALLBACK = "decode rows' keys and values copied into padded groups for torch SDPA, slower decode"
+RMS_NORM_FALLBACK = "torch.rms_norm, several tensor ops a norm instead of one call"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +85,7 @@ class PagedDecode:
     """The loaded kernel."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._function = library.llmq_paged_decode
-        self._function.restype = ctypes.c_int
-        self._function.argtypes = [_POINTER] * 7 + [ctypes.c_int64, *[ctypes.c_int] * 3, ctypes.c_float]
-        self._function.argtypes += [_POINTER, ctypes.c_int]
+        self._function = PAGED_DECODE.bind(library)
 
     def __call__(
         self,
@@ -115,9 +121,7 @@ class RmsNorm:
     reproduced torch there."""
 
     def __init__(self, library: ctypes.CDLL, width: int, lanes: int) -> None:
-        self._function = library.llmq_rms_norm
-        self._function.restype = None
-        self._function.argtypes = [_POINTER] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        self._function = RMS_NORM.bind(library)
         self.width, self.lanes = width, lanes
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -143,7 +147,7 @@ def _require_contiguous_float32(kernel: str, *tensors: torch.Tensor) -> None:
 @functools.cache
 def load() -> PagedDecode | None:
     """The decode kernel, built (once per machine) and loaded; None where it cannot be built here."""
-    library = _library(SOURCE, FLAGS, "paged-decode kernel")
+    library = _library(SOURCE, PAGED_DECODE, FLAGS, "paged-decode kernel", PAGED_DECODE_FALLBACK)
     return None if library is None else PagedDecode(library)
 
 
@@ -153,7 +157,7 @@ def rms_norm(width: int) -> RmsNorm | None:
     torch may sum in is tried); else None, and the caller keeps `torch.rms_norm`."""
     if width < 1:
         return None
-    library = _library(RMS_NORM_SOURCE, EXACT_FLAGS, "RMSNorm")
+    library = _library(RMS_NORM_SOURCE, RMS_NORM, EXACT_FLAGS, "RMSNorm kernel", RMS_NORM_FALLBACK)
     if library is None:
         return None
     generator = torch.Generator().manual_seed(width)
@@ -168,38 +172,58 @@ def rms_norm(width: int) -> RmsNorm | None:
     return None
 
 
-def _library(source: Path, flags: tuple[str, ...], name: str) -> ctypes.CDLL | None:
-    """`source` built with `flags` (once per machine) and loaded; None, logged once, where it cannot be built."""
+def _library(
+    source: Path, signature: Signature, flags: tuple[str, ...], name: str, fallback: str
+) -> ctypes.CDLL | None:
+    """`source` built with `flags` against its declared `signature` (once per machine) and loaded; None where it
+    cannot be built, with one warning naming why and the slower `fallback` that runs instead."""
     try:
-        return ctypes.CDLL(str(_built(source, flags)))
+        return ctypes.CDLL(str(_built(source, signature, flags)))
     except subprocess.CalledProcessError as error:
         reason = f"{error}: {error.stderr.decode(errors='replace')[-800:]}"
     except (OSError, subprocess.SubprocessError) as error:
         reason = str(error)
-    log.warning("native %s unavailable, using the torch path: %s", name, reason)
+    log.warning("native %s unavailable, using the torch path (%s): %s", name, fallback, reason)
     return None
 
 
-def _built(source_path: Path, flags: tuple[str, ...]) -> Path:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def _compiler(settings: KernelBuildSettings) -> str:
+    """The C compiler to build with: `$CC` where set (it must exist), else `cc` or `gcc` on PATH."""
+    if settings.cc is not None:
+        if shutil.which(settings.cc) is None:
+            raise OSError(f"no C compiler: $CC={settings.cc!r} is not an executable on PATH")
+        return settings.cc
+    compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        raise OSError("no C compiler (cc, gcc or $CC) on PATH")
+        raise OSError("no C compiler: neither cc nor gcc is on PATH and $CC is not set")
+    return compiler
+
+
+def _built(source_path: Path, signature: Signature, flags: tuple[str, ...]) -> Path:
+    """The cached build of `source_path`, built first on a miss. The cache is looked up before any compiler is:
+    a runtime image that carries kernels its build stage compiled needs none (keyed by the compiler as named,
+    `$CC` or `cc`, so both stages must name the same one)."""
+    settings = KernelBuildSettings()  # read at every build, not once: a fixed compiler or cache may appear later
     source = source_path.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), compiler.encode(), _cpu_identity()]))
-    target = _cache_dir() / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
+    declared = header(signature)
+    named = (settings.cc or "cc").encode()
+    key = hashlib.sha256(b"\0".join([source, declared.encode(), " ".join(flags).encode(), named, _cpu_identity()]))
+    target = _cache_dir(settings.xdg_cache_home) / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
     if not target.exists():
+        compiler = _compiler(settings)
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as staging:
             staged = Path(staging) / target.name
-            subprocess.run(
-                [compiler, *flags, "-o", str(staged), str(source_path)], check=True, capture_output=True, timeout=120
-            )
+            declarations = Path(staging) / "llmq_kernel.h"
+            declarations.write_text(declared)
+            command = [compiler, *flags, "-include", str(declarations), "-o", str(staged), str(source_path)]
+            subprocess.run(command, check=True, capture_output=True, timeout=120)
             os.replace(staged, target)  # atomic: processes building at once each install a whole file
     return target
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+def _cache_dir(xdg_cache_home: str | None) -> Path:
+    base = xdg_cache_home or Path.home() / ".cache"
     return Path(base) / "llmq" / "kernels"
 
 

@@ -1,0 +1,97 @@
+"""Each native kernel's C signature, declared once here and used by both sides.
+
+The build (`cpu_kernels._built`) writes these prototypes into a header that the compiler force-includes before the
+kernel's source (`-include`), so a definition that disagrees with its declaration in any type is a compile error,
+and ctypes takes its `argtypes` / `restype` from the same table (`bind`): the C code trusts every argument it gets,
+so a mismatch would otherwise be silent memory corruption. `tests/engine/test_kernel_signatures.py` also checks the
+parameter names against the sources, which C itself does not compare.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+# The C types a kernel may take, and how ctypes passes each (pointers as plain addresses: `tensor.data_ptr()`).
+_ARGUMENT_TYPES: dict[str, Any] = {
+    "const float *": ctypes.c_void_p,
+    "float *": ctypes.c_void_p,
+    "const int64_t *": ctypes.c_void_p,
+    "int64_t": ctypes.c_int64,
+    "int": ctypes.c_int,
+    "float": ctypes.c_float,
+}
+_RESULT_TYPES: dict[str, Any] = {"int": ctypes.c_int, "void": None}
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    """One exported C function: its result type and its `(C type, name)` parameters, in order."""
+
+    name: str
+    result: str
+    parameters: tuple[tuple[str, str], ...]
+
+    def __post_init__(self) -> None:
+        unknown = [c_type for c_type, _ in self.parameters if c_type not in _ARGUMENT_TYPES]
+        if self.result not in _RESULT_TYPES or unknown:
+            raise ValueError(f"{self.name}: no ctypes mapping for {unknown or self.result!r}")
+
+    def declaration(self) -> str:
+        """The C declaration, as the source writes its definition (`const float *query`, `int heads`)."""
+        parameters = ", ".join(_parameter(c_type, name) for c_type, name in self.parameters)
+        return f"{self.result} {self.name}({parameters})"
+
+    def bind(self, library: ctypes.CDLL) -> Any:
+        """The function from a loaded library, with its ctypes types set from this declaration."""
+        function = getattr(library, self.name)
+        function.restype = _RESULT_TYPES[self.result]
+        function.argtypes = [_ARGUMENT_TYPES[c_type] for c_type, _ in self.parameters]
+        return function
+
+
+def _parameter(c_type: str, name: str) -> str:
+    return f"{c_type}{name}" if c_type.endswith("*") else f"{c_type} {name}"
+
+
+def header(*signatures: Signature) -> str:
+    """The header the build force-includes: every declaration, so the compiler checks each definition against it."""
+    lines = ["/* Generated from worker/engine/kernels/signatures.py at build time. */", "#include <stdint.h>"]
+    return "\n".join([*lines, *(f"{signature.declaration()};" for signature in signatures), ""])
+
+
+PAGED_DECODE = Signature(
+    "llmq_paged_decode",
+    "int",
+    (
+        ("const float *", "query"),
+        ("const float *", "keys"),
+        ("const float *", "values"),
+        ("const int64_t *", "index"),
+        ("const int64_t *", "starts"),
+        ("const int64_t *", "lengths"),
+        ("const int64_t *", "query_rows"),
+        ("int64_t", "requests"),
+        ("int", "heads"),
+        ("int", "kv_heads"),
+        ("int", "head_dim"),
+        ("float", "scale"),
+        ("float *", "out"),
+        ("int", "threads"),
+    ),
+)
+RMS_NORM = Signature(
+    "llmq_rms_norm",
+    "void",
+    (
+        ("const float *", "x"),
+        ("const float *", "weight"),
+        ("float *", "out"),
+        ("int64_t", "rows"),
+        ("int64_t", "width"),
+        ("float", "eps"),
+        ("int", "lanes"),
+        ("int", "threads"),
+    ),
+)

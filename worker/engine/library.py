@@ -1,0 +1,344 @@
+"""The one seam between the engine and transformers' continuous batching (pinned to 5.24).
+
+Nothing else in the engine imports `transformers.generation.continuous_batching` or touches the library's manager,
+batch processor, model runner, scheduler or cache: `core.py` drives a `Manager` (our handle on one) and reads
+outputs as `LibraryOutput`; the hooks' own modules (`sampling`, `urgency`, `paged_reads`, `lean_layers`, `stats`)
+keep their logic and see only our types. `tests/engine/test_library_contract.py` names every class, private
+attribute and signature used here and checks the installed transformers still has each, so an upgrade fails in a
+second with the list of what moved.
+
+`start` builds a manager and installs every hook, in this order (each step says why it comes where it does):
+1. our scheduler is registered in the library's `SCHEDULER_MAPPING` and chosen by `scheduler_type` (the library's
+   own seam), before the manager exists;
+2. the manager is built, checking the model's attention implementation against those it knows (sdpa);
+3. only then our attention function (`attention.py`), registered with `AttentionInterface` and switched in before
+   the warmup, which builds the batch buffers: so it builds no dense masks either;
+4. the lean decoder layers (`lean_layers.py`), which need our attention;
+5. the warmup: the batch processor now exists (scheduler, cache, model runner), the cache at its real size;
+6. the engine's urgent ids into our scheduler (`urgency.py`);
+7. the fused sampler into the model runner (`sampling.py`), where CUDA graphs are off;
+8. the paged reads into the cache (`paged_reads.py`), which exist only after the warmup, on CPU with our attention;
+9. the step counters around the manager's step (`stats.py`), with the engine paths chosen above and, where prefix
+   sharing is on, the prefix cache's lookups;
+10. the manager's thread starts.
+`restore` undoes 3 and 4 (the library's checks and `model.generate` need SDPA and the library's layers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from transformers import AttentionInterface, GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching import ContinuousBatchingManager
+from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
+from transformers.generation.continuous_batching.cb_logits_processors import (
+    ContinuousBatchingTemperatureLogitsWarper,
+    ContinuousBatchingTopKLogitsWarper,
+    ContinuousBatchingTopPLogitsWarper,
+)
+from transformers.generation.continuous_batching.requests import RequestStatus
+from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING, FIFOScheduler
+
+from worker.engine import attention, fastpath, lean_layers
+from worker.engine.kernels import cpu_kernels
+from worker.engine.paged_reads import PagedReads
+from worker.engine.rows import RowState
+from worker.engine.sampling import ArgumentRows, FusedSampler
+from worker.engine.stats import StepCounters
+from worker.engine.urgency import urgent_first
+
+if TYPE_CHECKING:
+    from worker.engine.core import EngineConfig
+
+SCHEDULER_NAME = "llmq_urgent_first"  # our scheduler's key in the library's SCHEDULER_MAPPING
+_PAGED_READS_MARK = "_llmq_paged_reads"  # set on a cache whose `update` is ours
+_MAX_LOOKUPS_WAITING = 4096  # prefix-cache lookups of requests not yet in a step (`_count_prefix_lookups`)
+
+
+class LibraryOutput(Protocol):
+    """What the engine reads of one library output (`GenerationOutput`): one request's cumulative tokens."""
+
+    request_id: str
+    generated_tokens: list[int]
+    error: str | None
+
+    def is_finished(self) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Hooks:
+    """The engine's state that the hooks read in the library's thread (the engine writes it on its loop)."""
+
+    urgent: Collection[str]  # library ids of urgent requests, whose prefill goes first
+    row_states: Mapping[str, RowState]  # by library id: the requests the fused sampler treats apart
+    counters: StepCounters
+
+
+class UrgentFirstScheduler(FIFOScheduler):
+    """The library's FIFO scheduler, with urgent requests' prefills before every other prefill (`urgency.py`).
+    `urgent` is the engine's set, given to the instance the manager builds (`start`)."""
+
+    urgent: Collection[str] = frozenset()
+
+    def _process_candidates(
+        self,
+        candidates: list[Any],
+        token_budget: int,
+        cache_budget: int,
+        request_ids_to_remove_from_waiting: set[str],
+    ) -> Any:
+        ordered = urgent_first(candidates, self.urgent, _decoding)
+        return super()._process_candidates(ordered, token_budget, cache_budget, request_ids_to_remove_from_waiting)
+
+
+def _decoding(state: Any) -> bool:
+    return bool(state.status == RequestStatus.DECODING)
+
+
+class Manager:
+    """Our handle on one started library manager: every call the engine makes into it. Call on the event loop."""
+
+    def __init__(self, manager: ContinuousBatchingManager, per_row: bool) -> None:
+        self.library = manager  # for tests that look inside; the engine goes through the methods
+        self.per_row = per_row  # the fused sampler is in: per-request seeds, logprobs, penalties, formats work
+        processor = manager.batch_processor
+        assert processor is not None, "a started manager has its batch processor"
+        self.num_blocks = int(processor.cache.num_blocks)
+
+    def is_running(self) -> bool:
+        return bool(self.library.is_running())
+
+    def refusal(self) -> str | None:
+        """Why the library's thread takes no new request now (it is dying or stopping), or None."""
+        return self.library.background_thread_status.can_accept_new_requests()
+
+    @property
+    def fatal_error(self) -> object:
+        return self.library.background_thread_status.fatal_error
+
+    def add(self, handler: Callable[[Any], None], request: dict[str, Any]) -> bool:
+        """Starts a request (`add_request` keywords) whose outputs go to `handler` on this loop. False, with the
+        handler dropped again, where the library refuses it (stopping after all). Its input queue is unbounded
+        here, so this never blocks."""
+        request_id = request["request_id"]
+        self.library.register_result_handler(request_id, handler)
+        if self.library.add_request(**request) is None:
+            self.forget(request_id)
+            return False
+        return True
+
+    def cancel(self, request_id: str) -> None:
+        self.library.cancel_request(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """Drops a request's output handler: its later outputs go to the shared queue (`discard_unclaimed`)."""
+        self.library.output_router.result_handlers.pop(request_id, None)
+
+    def discard_unclaimed(self) -> None:
+        """Drops outputs no handler took (the last one or two of a request we already ended): nothing reads the
+        library's shared queue, so without this it would only grow."""
+        unclaimed: queue.Queue[Any] = self.library.output_router.output_queue
+        with contextlib.suppress(queue.Empty):
+            while True:
+                unclaimed.get_nowait()
+
+    def free_capacity(self) -> float:
+        """The free share of the paged cache (1.0 once the manager stopped)."""
+        processor = self.library.batch_processor
+        return float(processor.cache.compute_free_capacity()) if processor is not None else 1.0
+
+    def stop(self, timeout: float, hard_stop: bool = False) -> None:
+        """Stops the library's thread, waiting up to `timeout` (blocking: call through a worker thread)."""
+        self.library.stop(block=True, timeout=timeout, hard_stop=hard_stop)
+
+
+def start(model: Any, sizing: EngineConfig, eos_token_ids: tuple[int, ...], hooks: Hooks) -> Manager:
+    """Builds a manager for `model`, installs every hook in the order of the module's docstring and starts its
+    thread (blocking: call through a worker thread)."""
+    restore(model)
+    SCHEDULER_MAPPING[SCHEDULER_NAME] = UrgentFirstScheduler
+    manager = model.init_continuous_batching(
+        # Processors are created only for non-default values; every request then passes its own.
+        generation_config=GenerationConfig(
+            do_sample=True, temperature=0.5, top_k=50, top_p=0.9, eos_token_id=list(eos_token_ids) or -1
+        ),
+        continuous_batching_config=ContinuousBatchingConfig(
+            page_size=sizing.page_size,
+            num_blocks=max(1, sizing.kv_cache_tokens // sizing.page_size),
+            max_batch_tokens=sizing.max_batch_tokens,
+            max_requests_per_batch=sizing.max_running,
+            allow_block_sharing=sizing.prefix_sharing,
+            per_request_processors=True,
+            seed=sizing.seed,
+            scheduler_type=SCHEDULER_NAME,
+        ),
+    )
+    paths = fastpath.choose(model, sizing.varlen_attention)
+    if paths.varlen_attention:
+        AttentionInterface.register(attention.ATTENTION_NAME, attention.varlen_sdpa_forward)
+        model.set_attn_implementation(attention.ATTENTION_NAME)
+    lean = paths.lean_layers and lean_layers.install(model)
+    manager.warmup()  # allocates the paged cache now, so its real size is known before the first request
+    processor = manager.batch_processor
+    if isinstance(processor.scheduler, UrgentFirstScheduler):
+        processor.scheduler.urgent = hooks.urgent
+    # The fused sampler goes in wherever CUDA graphs are off (it declines otherwise): per-request seeds,
+    # logprobs, penalties and response formats need it, on any device.
+    per_row = install_sampler(processor.model_runner, manager.logit_processor, hooks.row_states)
+    kernel, paged = None, False
+    if _runs_our_attention_on_cpu(model):
+        kernel = cpu_kernels.load()
+        paged = install_paged_reads(processor.cache, kernel)
+    hooks.counters.paths = engine_paths(model, paths.varlen_attention, lean, paged, kernel is not None)
+    _count_steps(manager, hooks.counters)
+    if processor.cache.use_prefix_sharing:
+        _count_prefix_lookups(manager, processor.cache, hooks.counters)
+    manager.start()
+    return Manager(manager, per_row)
+
+
+def restore(model: Any) -> None:
+    """Gives the model back its SDPA attention and library layers, for the library's checks and `model.generate`."""
+    lean_layers.uninstall(model)
+    if model.config._attn_implementation == attention.ATTENTION_NAME:
+        model.set_attn_implementation("sdpa")
+
+
+def argument_rows(processors: Any) -> ArgumentRows:
+    """Where the library's per-request processors (a `ContinuousBatchingLogitsProcessorList`) write temperature,
+    top-k and top-p: one row of `logits_processor_args` each, in the order of the processors that fill defaults."""
+    rows = {}
+    for index, processor in enumerate(p for p in processors.logits_processor if hasattr(p, "fill_defaults")):
+        rows[type(processor)] = index
+    return ArgumentRows(
+        temperature=rows[ContinuousBatchingTemperatureLogitsWarper],
+        top_k=rows[ContinuousBatchingTopKLogitsWarper],
+        top_p=rows[ContinuousBatchingTopPLogitsWarper],
+    )
+
+
+def install_sampler(runner: Any, processors: Any, row_states: Mapping[str, RowState]) -> bool:
+    """Puts the fused sampler into a warmed-up model runner, as its logits processor and its `_sample`; False where
+    CUDA graphs (or the asynchronous inputs, which do not list the batch's requests) forbid it."""
+    if getattr(runner, "use_cuda_graph_varlen", False) or getattr(runner, "use_cuda_graph_decode", False):
+        return False
+    batch = runner.inputs_and_outputs
+    if not hasattr(batch, "requests_in_batch"):
+        return False
+
+    def batch_ids() -> list[str]:
+        """The library lays out one logits row per request that gets a token this step, in batch order."""
+        return [future.state.request_id for future in batch.requests_in_batch if future.has_new_token]
+
+    sampler = FusedSampler(argument_rows(processors), batch_ids, row_states)
+    runner.logit_processor = sampler
+    runner._sample = sampler.sample
+    return True
+
+
+def supports_paged_reads(cache: Any) -> bool:
+    """Only full-attention layers on the index path: sliding windows read a ring, not a request's whole past."""
+    allocators = list(getattr(cache, "cache_allocators", {}).values())
+    return bool(allocators) and all(isinstance(a, FullAttentionCacheAllocator) for a in allocators)
+
+
+def install_paged_reads(cache: Any, kernel: cpu_kernels.PagedDecode | None = None) -> bool:
+    """Makes this cache's `update` hand attention `PagedKV` instead of copied K/V on steps that read the cache
+    (`paged_reads.PagedReads`), decode rows planned for `kernel` where given. Returns False (and changes nothing)
+    where the layout is not plain full attention, or where it is installed already."""
+    if not supports_paged_reads(cache) or getattr(cache, _PAGED_READS_MARK, False):
+        return False
+    library_update = cache.update
+    reads = PagedReads(kernel)
+
+    def update(
+        key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        allocator = cache.layer_to_allocator[layer_idx]
+        read_indices = kwargs.get("read_index")
+        if kwargs.get("block_table") is not None or not read_indices or read_indices[allocator.index].numel() == 0:
+            return library_update(key_states, value_states, layer_idx, kwargs)  # no cache read: nothing to save
+        view = allocator._kv_token_views[layer_idx]
+        return reads.update(key_states, value_states, view, allocator.index, allocator.layer_type, kwargs)
+
+    cache.update = update
+    setattr(cache, _PAGED_READS_MARK, True)
+    return True
+
+
+def has_paged_reads(cache: Any) -> bool:
+    return bool(getattr(cache, _PAGED_READS_MARK, False))
+
+
+def _runs_our_attention_on_cpu(model: Any) -> bool:
+    """Paged reads serve our attention function on the CPU only."""
+    return model.config._attn_implementation == attention.ATTENTION_NAME and torch.device(model.device).type == "cpu"
+
+
+def engine_paths(model: Any, varlen: bool, lean: bool, paged: bool, compiled: bool) -> dict[str, str]:
+    """Which implementation runs each part of a step, for `llmq:engine_path`: our attention or the library's, our
+    decoder layers or the library's and, where they serve, each native kernel compiled or its torch fallback."""
+    paths = {"attention": "varlen" if varlen else "library", "decoder_layers": "lean" if lean else "library"}
+    if paged:
+        paths["paged_decode"] = "compiled" if compiled else "fallback"
+    if lean:
+        weight = model.get_decoder().layers[0].input_layernorm.weight
+        # lean_layers' choice: the native RMSNorm for float32 where it builds (cached: no second build here)
+        native = weight.dtype == torch.float32 and cpu_kernels.rms_norm(int(weight.shape[0])) is not None
+        paths["rms_norm"] = "compiled" if native else "fallback"
+    return paths
+
+
+def _count_steps(manager: Any, counters: StepCounters) -> None:
+    """Wraps the manager's `_generation_step` (called once per forward, in its thread) with the step counters."""
+    step = manager._generation_step
+
+    def counted_step() -> None:
+        io = manager.batch_processor.inputs_and_outputs
+        batch = getattr(io, "requests_in_batch", [])
+        # A row decodes when its request already has output; otherwise it is (a chunk of) its prompt. A row gets a
+        # token when it decodes or ran its prompt's last chunk: a request's first token comes from its prefill.
+        decode = sum(1 for future in batch if future.state.generated_tokens)
+        generated = sum(1 for future in batch if future.has_new_token)
+        tokens = sum(future.query_length for future in batch)
+        step()
+        counters.count_step(tokens, decode, generated)
+
+    manager._generation_step = counted_step
+
+
+def _count_prefix_lookups(manager: Any, cache: Any, counters: StepCounters) -> None:
+    """Counts the prefix cache's lookups (`search_prefix_match`, in the library's thread) once per request that then
+    runs: the scheduler looks a prompt without a match up again every step it waits, so a lookup counts when its
+    request's first chunk reaches a step (the latest lookup wins), as vLLM counts a scheduled request's."""
+    search = cache.search_prefix_match
+    looked_up: dict[str, tuple[int, int]] = {}  # library id -> (prompt tokens, tokens found), until it runs
+    counters.prefix_cache_queries = counters.prefix_cache_queries or 0
+    counters.prefix_cache_hits = counters.prefix_cache_hits or 0
+
+    def counted_search(request_id: str, prompt_ids: list[int]) -> int:
+        hit = int(search(request_id, prompt_ids))
+        looked_up.pop(request_id, None)
+        looked_up[request_id] = (len(prompt_ids), hit)
+        while len(looked_up) > _MAX_LOOKUPS_WAITING:  # requests cancelled before they ran: forget the oldest
+            del looked_up[next(iter(looked_up))]
+        return hit
+
+    step = manager._generation_step
+
+    def counted_step() -> None:
+        batch = getattr(manager.batch_processor.inputs_and_outputs, "requests_in_batch", [])
+        for future in batch:
+            lookup = looked_up.pop(future.state.request_id, None)
+            if lookup is not None:
+                counters.count_prefix_lookup(*lookup)
+        step()
+
+    cache.search_prefix_match = counted_search
+    manager._generation_step = counted_step
