@@ -11,6 +11,8 @@
 This package never imports torch or transformers; `client.protocol` is the wire format both sides speak.
 """
 
+__version__ = "0.3.0"  # the distribution's one version (pyproject reads it); `llmq --version` prints it
+
 from client import protocol, store
 from client._core import Delta, Outcome, Result, TokenLogprob
 from client.aio import AsyncClient, AsyncJob
@@ -23,6 +25,7 @@ from client.errors import (
     MalformedEntry,
     ProtocolError,
     QueueFull,
+    RedisUnavailable,
     RequestExpired,
     RequestFailed,
     ResultTimeout,
@@ -49,12 +52,14 @@ __all__ = [
     "ProtocolError",
     "QueueFull",
     "QueueStatus",
+    "RedisUnavailable",
     "RequestExpired",
     "RequestFailed",
     "Result",
     "ResultTimeout",
     "TokenLogprob",
     "UnsupportedVersion",
+    "__version__",
     "error_from_event",
     "protocol",
     "store",

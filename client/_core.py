@@ -14,12 +14,15 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialWithJitterBackoff
 
+from client import tracing
+from client.backoff import Backoff
 from client.connection import connection_options, redact_url
 from client.errors import Cancelled, ClientClosed, InvalidRequest, LLMQError, MalformedEntry, QueueFull, ResultTimeout
 from client.protocol import (
@@ -43,9 +46,13 @@ from client.protocol import (
     ms_now,
     parse_request,
 )
-from client.store import SUBMIT_FULL, Keys, Scripts
+from client.scripts import ScriptCall, Submit, SubmitOutcome
+from client.store import Keys, Scripts, partition_of
 
 log = logging.getLogger("llmq.client")
+# A library logs, the application decides where to: without this, logging's last resort printed the retry warnings
+# on stderr of every program (`llmq` too) that had not configured logging.
+log.addHandler(logging.NullHandler())
 
 DEFAULT_URL = "redis://localhost:6379/0"
 DEFAULT_MAX_CONNECTIONS = 4  # for all of a client's work: one reader, submits, cancels
@@ -58,12 +65,26 @@ RETRIES = 3
 RETRY_BACKOFF_S = (0.05, 0.25)  # base and cap of the exponential backoff
 
 
+MAX_FAILOVER_TIMEOUT_S = 3600.0
+MAX_REPLICAS = 64  # a WAIT for more replicas than this waits for ones no deployment has
+
+
+def _is_seconds(value: object, most: float) -> bool:
+    """A number of seconds in [0, most]: not a bool, and finite (an int too large for a float is not)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return 0 <= float(value) <= most
+    except OverflowError:
+        return False
+
+
 def pool_kwargs(redis_kwargs: dict[str, Any], retry_type: Callable[..., Any]) -> dict[str, Any]:
     """Keyword arguments for `client.connection.open_async`/`open_sync`: a small bounded pool whose callers wait
     for a free connection, each command retried on a lost connection (`retry_type`: redis-py's `Retry`, sync or
     asyncio; a pool built this way has none otherwise)."""
     base, cap = RETRY_BACKOFF_S
-    retry = retry_type(ExponentialBackoff(cap=cap, base=base), RETRIES)
+    retry = retry_type(ExponentialWithJitterBackoff(cap=cap, base=base), RETRIES)
     return {"max_connections": DEFAULT_MAX_CONNECTIONS, "timeout": POOL_WAIT_S, "retry": retry, **redis_kwargs}
 
 
@@ -154,11 +175,11 @@ QUEUE_FULL_BACKOFF_S = (0.05, 2.0)  # submit_many waits, doubling, while the que
 
 
 def queue_full_delays() -> Iterator[float]:
-    """Seconds to wait before each retry of a submit refused with `QueueFull`: doubling, capped, unending."""
-    delay = QUEUE_FULL_BACKOFF_S[0]
+    """Seconds to wait before each retry of a submit refused with `QueueFull`: doubling, capped, jittered
+    (`client.backoff`), unending."""
+    backoff = Backoff(*QUEUE_FULL_BACKOFF_S)
     while True:
-        yield delay
-        delay = min(2 * delay, QUEUE_FULL_BACKOFF_S[1])
+        yield backoff.next()
 
 
 class ResultBuilder:
@@ -305,6 +326,9 @@ class BaseClient:
         max_queue_len: int,
         result_ttl: int,
         limits: RequestLimits | None,
+        failover_timeout: float,
+        wait_replicas: int,
+        partitions: int,
     ) -> None:
         if connection_options(conn).get("decode_responses"):
             raise ValueError("llmq needs a redis client with decode_responses=False (entries are msgpack)")
@@ -312,8 +336,20 @@ class BaseClient:
             raise ValueError("max_queue_len must be >= 0 (0 = no limit)")
         if isinstance(result_ttl, bool) or not isinstance(result_ttl, int) or not 1 <= result_ttl <= MAX_RESULT_TTL_S:
             raise ValueError(f"result_ttl must be whole seconds in [1, {MAX_RESULT_TTL_S}], got {result_ttl!r}")
+        if not _is_seconds(failover_timeout, MAX_FAILOVER_TIMEOUT_S):
+            raise ValueError(
+                f"failover_timeout must be seconds in [0, {MAX_FAILOVER_TIMEOUT_S}], got {failover_timeout!r}"
+            )
         self._redis = conn
         self._url = url
+        if (
+            isinstance(wait_replicas, bool)
+            or not isinstance(wait_replicas, int)
+            or not 0 <= wait_replicas <= MAX_REPLICAS
+        ):
+            raise ValueError(f"wait_replicas must be a whole number in [0, {MAX_REPLICAS}], got {wait_replicas!r}")
+        self.failover_timeout = failover_timeout
+        self.wait_replicas = wait_replicas
         self._owns_conn = owns_conn
         self._closed = False
         self.queue = queue
@@ -322,6 +358,8 @@ class BaseClient:
         self.result_ttl = result_ttl
         self.limits = limits or RequestLimits()
         self.keys = Keys(queue, prefix)
+        self.keys.partitioned(partitions)  # validates the count
+        self.partitions = partitions
         self._scripts = Scripts.register(conn)
         self.client_id = uuid.uuid4().hex  # names this client's private wake stream
 
@@ -333,8 +371,12 @@ class BaseClient:
         if self._closed:
             raise ClientClosed("this client is closed: make a new one (requests it submitted go on)")
 
-    def keys_for(self, queue: str | None) -> Keys:
-        return self.keys if queue is None or queue == self.queue else Keys(queue, self.prefix)
+    def keys_for(self, queue: str | None, request_id: str | None = None) -> Keys:
+        """A queue's keys: with `request_id`, those of the partition that holds that request."""
+        keys = self.keys if queue is None or queue == self.queue else Keys(queue, self.prefix)
+        if request_id is None or self.partitions == 1:
+            return keys
+        return Keys(keys.queue, keys.prefix, partition_of(request_id, self.partitions))
 
     @property
     def socket_timeout(self) -> float | None:
@@ -370,18 +412,40 @@ class BaseClient:
         request.check_limits(self.limits)
         return request
 
-    def submit_args(self, request: GenerateRequest, keys: Keys, lane: str) -> tuple[list[str], list[Any]]:
-        """KEYS and ARGV of the `SUBMIT` script; raises `InvalidRequest` for an unknown lane."""
+    @property
+    def partition_limit(self) -> int:
+        """A lane's backlog limit in each partition: its share of `max_queue_len` (0 = no limit)."""
+        return math.ceil(self.max_queue_len / self.partitions)
+
+    @contextmanager
+    def submitting(self, request: GenerateRequest, keys: Keys, lane: str) -> Iterator[ScriptCall]:
+        """The `Submit` script's call for `request`, inside the submit's span when tracing records
+        (`client.tracing`; the entry carries its context): `check_submitted` ends it with the script's answer, a
+        failure that leaves the block ends it as failed. Raises `InvalidRequest` for an unknown lane."""
         if lane not in LANES:
             raise InvalidRequest(f"priority must be one of {', '.join(LANES)}, not {lane!r}", request.id)
-        args = [encode(request), self.max_queue_len, request.result_ttl, self.client_id]
-        return [keys.submitted(request.id), keys.lane(lane)], args
+        trace = tracing.start_submit(request, keys, lane)
+        try:
+            yield Submit.pack(
+                keys, request.id, lane, encode(request), self.partition_limit, request.result_ttl, self.client_id, trace
+            )
+        except BaseException as error:
+            tracing.end_submit("failed", error=f"{type(error).__name__}: {error}")
+            raise
 
-    def check_submitted(self, outcome: int, keys: Keys, lane: str) -> None:
-        if outcome == SUBMIT_FULL:
+    def check_submitted(self, outcome: SubmitOutcome, keys: Keys, lane: str) -> None:
+        full = outcome == SubmitOutcome.FULL
+        tracing.end_submit(outcome.name.lower(), error="the lane is full (QueueFull)" if full else None)
+        if not full:
+            return
+        if self.partitions == 1:
             raise QueueFull(
                 f"lane {lane!r} of queue {keys.queue!r} holds {self.max_queue_len} unfinished requests (its limit)"
             )
+        raise QueueFull(
+            f"lane {lane!r} of queue {keys.queue!r}, partition {keys.partition} of {self.partitions}, holds "
+            f"{self.partition_limit} unfinished requests (its share of max_queue_len {self.max_queue_len})"
+        )
 
 
 class BaseJob:

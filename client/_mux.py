@@ -22,8 +22,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis.exceptions import ResponseError
 from redis.typing import KeyT, StreamIdT
 
+from client.backoff import jittered
+from client.errors import MalformedEntry
 from client.store import WAKE_MAXLEN, WAKE_NOTICE, WAKE_TTL_S, Keys
 
 log = logging.getLogger("llmq.client")
@@ -178,6 +181,23 @@ class MuxCore:
     def followers(self) -> list[Follower]:
         return [f for followers in self._followers.values() for f in followers]
 
+    def followed_keys(self) -> list[str]:
+        return list(self._followers)
+
+    def drop_wrong_types(self, types: Mapping[str, Any]) -> list[tuple[Follower, MalformedEntry]]:
+        """After a `WRONGTYPE` reply: the followers of the keys that `TYPE` says hold something other than a stream
+        (something other than llmq wrote them), no longer followed, each with the error its reader raises. The
+        failed round's other streams are read again."""
+        failed = []
+        for key, kind in types.items():
+            name = _text(kind)
+            if name in ("stream", "none"):
+                continue
+            error = MalformedEntry(f"result key {key} holds a {name}, not a stream: something other than llmq wrote it")
+            failed += [(follower, error) for follower in self._followers.pop(key, [])]
+        self._due.update(dict.fromkeys(key for key in self._reading if key in self._followers))
+        return failed
+
     def retry_delay(self, exc: Exception) -> float | None:
         """Seconds to wait before reading again after a connection error; None once the budget is spent. The
         failed round's streams are lost with it: every stream is read again."""
@@ -187,10 +207,15 @@ class MuxCore:
             self._failing_since, self._failures = now, 0
         if now - self._failing_since > RECONNECT_BUDGET_S:
             return None
-        delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**self._failures)
+        delay = jittered(min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**self._failures))
         self._failures += 1
         log.warning("reading results of %d jobs failed (%s); retrying in %.2f s", self.following, exc, delay)
         return delay
+
+
+def is_wrong_type(error: BaseException) -> bool:
+    """A key read as a stream holds another type: no retry heals it, the key's followers fail instead."""
+    return isinstance(error, ResponseError) and "WRONGTYPE" in str(error)  # a pipeline's names its command first
 
 
 def max_block_ms(socket_timeout: float | None) -> int:

@@ -11,8 +11,6 @@ from typing import Any, Self
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry as AsyncRetry
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from client._core import (
     DEFAULT_URL,
@@ -25,13 +23,19 @@ from client._core import (
     queue_full_delays,
     submit_arguments_error,
 )
-from client._mux import BLOCK_S, ENTRIES_PER_STREAM, WAKE_DELAY_S, Follower, MuxCore, max_block_ms
+from client._mux import BLOCK_S, ENTRIES_PER_STREAM, WAKE_DELAY_S, Follower, MuxCore, is_wrong_type, max_block_ms
 from client.connection import check_async, is_cluster, open_async
 from client.errors import ClientClosed, LLMQError, QueueFull, ResultTimeout
+from client.failover import (
+    FAILOVER_TIMEOUT_S,
+    REDIS_FAILURES,
+    refused,
+    reraise_lost_cancellation,
+    retry_async,
+    unavailable,
+)
 from client.protocol import DEFAULT_PREFIX, ChatMessage, Lane, RequestLimits
 from client.store import Keys, QueueStatus, Scripts, queue_cancel_commands, queue_status_commands, status_from_replies
-
-_RECONNECTABLE = (RedisConnectionError, RedisTimeoutError)
 
 
 class AsyncClient(BaseClient):
@@ -44,6 +48,12 @@ class AsyncClient(BaseClient):
     :param limits: checked before submitting (default `RequestLimits()`); workers enforce their own too.
     :param redis: an existing `redis.asyncio.Redis` (decode_responses=False) to use instead of `url`;
         it is not closed by `aclose`.
+    :param failover_timeout: seconds a call (submit, cancel, status) keeps retrying while Redis is away (a primary
+        being replaced, a dropped connection) before it raises `RedisUnavailable`; 0 fails at once.
+    :param wait_replicas: replicas that must acknowledge each submission (`WAIT`) before `submit` returns, so a
+        failover cannot lose it; 0 (default) returns once the primary has it.
+    :param partitions: the queues' `LLMQ_QUEUE_PARTITIONS`: each request goes to the partition of its id, and
+        `max_queue_len` is shared out over them (every process of a deployment must use the same count).
     :param redis_kwargs: passed to `redis.asyncio.BlockingConnectionPool.from_url`; by default the client
         holds at most 4 connections (`max_connections`) for all its work: one reader follows every awaited
         job's result stream, and calls wait for a free connection rather than fail. On a Cluster or Sentinel URL
@@ -63,6 +73,9 @@ class AsyncClient(BaseClient):
         limits: RequestLimits | None = None,
         redis: aioredis.Redis | None = None,
         ssl_ca_certs: str | None = None,
+        failover_timeout: float = FAILOVER_TIMEOUT_S,
+        wait_replicas: int = 0,
+        partitions: int = 1,
         **redis_kwargs: Any,
     ) -> None:
         own = redis is None
@@ -79,6 +92,9 @@ class AsyncClient(BaseClient):
             max_queue_len=max_queue_len,
             result_ttl=result_ttl,
             limits=limits,
+            failover_timeout=failover_timeout,
+            wait_replicas=wait_replicas,
+            partitions=partitions,
         )
         self._muxes: dict[str, AsyncResultMux] = {}
 
@@ -120,7 +136,9 @@ class AsyncClient(BaseClient):
         self.ensure_open()
         mux = self._muxes.get(keys.tag)
         if mux is None:
-            mux = self._muxes[keys.tag] = AsyncResultMux(self._redis, keys, self.client_id, self.socket_timeout)
+            mux = self._muxes[keys.tag] = AsyncResultMux(
+                self._redis, keys, self.client_id, self.socket_timeout, self._url
+            )
         return mux
 
     async def __aenter__(self) -> Self:
@@ -171,7 +189,7 @@ class AsyncClient(BaseClient):
         when the lane's backlog is at `max_queue_len`.
         """
         self.ensure_open()
-        keys = self.keys_for(queue)
+        self.keys_for(queue)  # a bad queue name is refused first
         request = self.build_request(
             prompt,
             messages=messages,
@@ -195,8 +213,12 @@ class AsyncClient(BaseClient):
                 "response_format": response_format,
             },
         )
-        script_keys, args = self.submit_args(request, keys, priority)
-        self.check_submitted(await self._scripts.submit(keys=script_keys, args=args), keys, priority)
+        keys = self.keys_for(queue, request.id)
+        with self.submitting(request, keys, priority) as call:
+            added = await self._retry(
+                "a submit", lambda: self._scripts.submit.run_async(self._redis, call, self.wait_replicas)
+            )
+            self.check_submitted(added, keys, priority)
         return AsyncJob(self, request.id, keys)
 
     async def submit_many(
@@ -251,18 +273,30 @@ class AsyncClient(BaseClient):
         return await job.result(timeout)
 
     async def check(self) -> None:
-        """Fails fast where this client cannot work: Redis unreachable, credentials refused (redis-py's errors), or a
-        URL of the wrong kind for what answered (`WrongDeployment`: a Cluster node or a Sentinel behind `redis://`)."""
+        """Fails fast where this client cannot work: Redis unreachable or credentials refused (`RedisUnavailable`), or
+        a URL of the wrong kind for what answered (`WrongDeployment`: a Cluster node or a Sentinel behind `redis://`).
+        A client handed `redis=` has no URL to compare: it is only pinged."""
         self.ensure_open()
-        await check_async(self._redis, self._url or "redis://")
+        url = self._url
+        await retry_async("a check", url, 0, lambda: check_async(self._redis, url) if url else self._redis.ping())
 
     async def status(self, *, queue: str | None = None, stale_after_s: float = 15.0) -> QueueStatus:
         """Backlog, pending and lag of the consumer group, dead letters, and workers seen in `stale_after_s`."""
         self.ensure_open()
         keys = self.keys_for(queue)
+        status: QueueStatus = await self._retry("a status query", lambda: self._status(keys, stale_after_s))
+        return status
+
+    async def _status(self, keys: Keys, stale_after_s: float) -> QueueStatus:
+        """The replies are read here, in the retried call: a reply that is an error (an ACL refusal, a key of the
+        wrong type) becomes `RedisUnavailable` as any other failure does."""
         pipe = self._redis.pipeline(transaction=False)
-        queue_status_commands(pipe, keys)
+        queue_status_commands(pipe, keys, self.partitions)
         return status_from_replies(keys.queue, await pipe.execute(raise_on_error=False), stale_after_s)
+
+    async def _retry(self, what: str, call: Any) -> Any:
+        """`call()`, repeated while Redis is away for less than `failover_timeout`; then `RedisUnavailable`."""
+        return await retry_async(what, self._url, self.failover_timeout, call)
 
 
 class AsyncJob(BaseJob):
@@ -274,7 +308,7 @@ class AsyncJob(BaseJob):
     @classmethod
     def attach(cls, client: AsyncClient, request_id: str, *, queue: str | None = None) -> AsyncJob:
         """Follow a request submitted elsewhere, reading its result stream from the start."""
-        return cls(client, request_id, client.keys_for(queue))
+        return cls(client, request_id, client.keys_for(queue, request_id))
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[Delta]:  # noqa: ASYNC109
         """New output as it arrives. Ends after `done` (see `finish_reason`; a cancel just ends it),
@@ -315,7 +349,12 @@ class AsyncJob(BaseJob):
     async def cancel(self) -> None:
         """Ask the workers to stop this request; the stream then ends with `finish_reason == "cancelled"`."""
         self._client.ensure_open()
-        pipe = self._client._redis.pipeline(transaction=True)
+        await self._client._retry("a cancel", self._send_cancel)
+
+    async def _send_cancel(self) -> None:
+        # The mark, then the message: an order, not an atomicity. (A transaction on a Cluster URL as a client's first
+        # call makes redis-py 8.1's asyncio ClusterPipeline set up its connections on a throwaway loop.)
+        pipe = self._client._redis.pipeline(transaction=False)
         queue_cancel_commands(
             pipe, self.keys, self.id, self._client.result_ttl, sharded=is_cluster(self._client._redis)
         )
@@ -361,8 +400,11 @@ class AsyncResultMux:
     """One task reads the result streams of every job this client awaits on one queue, over one connection at
     a time (`client._mux.MuxCore` decides what to read and routes it). Started by the first follower."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, client_id: str, socket_timeout: float | None) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, keys: Keys, client_id: str, socket_timeout: float | None, url: str | None = None
+    ) -> None:
         self._redis = redis
+        self._url = url
         self._core = MuxCore(keys, client_id, max_block_ms(socket_timeout))
         self._followed = asyncio.Event()
         self._blocked = False  # in a blocking read: a new follower must wake it
@@ -400,27 +442,52 @@ class AsyncResultMux:
             await pipe.execute()
 
     async def _read_forever(self) -> None:
-        core, task = self._core, asyncio.current_task()
+        core = self._core
         while not self._closing:
-            # redis-py can swallow a cancellation that lands mid-read (or turn it into a connection error), and the
-            # loop would then wait on: asyncio.run() hung at exit for a client never closed
-            if task is not None and task.cancelling():
-                raise asyncio.CancelledError
+            reraise_lost_cancellation()  # else asyncio.run() hangs at exit for a client never closed
             if core.idle:
                 self._followed.clear()
                 await self._followed.wait()
                 continue
             try:
                 await self._read_round()
-            except _RECONNECTABLE as exc:
+            except REDIS_FAILURES as exc:
                 if self._closing:
                     return
-                delay = core.retry_delay(exc)
+                if await self._drop_wrong_types(exc):
+                    continue
+                delay = None if refused(exc) else core.retry_delay(exc)
                 if delay is None:
-                    for follower in core.followers():
-                        follower.inbox.put_nowait(exc)
+                    failure = unavailable("reading results", self._url, exc)
+                    failure.__cause__ = exc
+                    self._fail_all(failure)
                     return
                 await asyncio.sleep(delay)
+            except Exception as exc:  # a bug: the jobs must hear it, not hang until their timeouts
+                self._fail_all(exc)
+                raise
+
+    def _fail_all(self, error: Exception) -> None:
+        for follower in self._core.followers():
+            follower.inbox.put_nowait(error)
+
+    async def _drop_wrong_types(self, exc: Exception) -> bool:
+        """After a `WRONGTYPE` reply, fails the jobs whose result key holds another type than a stream; True when
+        there were any (the others read on at once)."""
+        if not is_wrong_type(exc):
+            return False
+        keys = self._core.followed_keys()
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.type(key)
+                kinds = await pipe.execute()
+        except REDIS_FAILURES:
+            return False  # retried as any failure is
+        failed = self._core.drop_wrong_types(dict(zip(keys, kinds, strict=True)))
+        for follower, error in failed:
+            follower.inbox.put_nowait(error)
+        return bool(failed)
 
     async def _read_round(self) -> None:
         core = self._core

@@ -1,6 +1,8 @@
 """Every exception the llmq client raises, in one place (wire error codes are `client.protocol.ErrorCode`).
 
-Catch `LLMQError` for everything the library raises itself (Redis' own errors pass through unwrapped).
+Catch `LLMQError` for everything the library raises: no redis-py exception crosses its public surface. A
+failover's replies (MOVED, ASK, CLUSTERDOWN, READONLY, a dropped connection) are retried while a primary is being
+replaced; what outlasts that becomes `RedisUnavailable`, with redis-py's exception as its `__cause__`.
 Terminal `error` events arrive as an `ErrorCode` on the wire and become the class mapped to that code
 (`client.protocol.error_from_event`); a code this client does not know becomes the root `RequestFailed`, so
 newer workers stay readable.
@@ -14,6 +16,7 @@ Our exception hierarchy:
   + Cancelled                  - it was cancelled; `.result` holds the partial output.
   + ResultTimeout              - (also a `TimeoutError`) no terminal event within the caller's timeout.
   + ClientClosed               - the client was closed: no more calls; jobs still waiting stop waiting.
+  + RedisUnavailable           - (also a `ConnectionError`) Redis did not serve a call, even after retries.
   + ProtocolError              - (also a `ValueError`) bytes or fields that break the wire protocol.
     + MalformedEntry           - not msgpack, not a map, or no usable `v`/`id`.
     + UnsupportedVersion       - `v` is not this client's `PROTOCOL_VERSION`.
@@ -80,6 +83,11 @@ class ResultTimeout(LLMQError, TimeoutError):
 class ClientClosed(LLMQError):
     """The client was closed: it submits nothing more, and jobs still awaiting their results through it stop
     waiting with this error (the requests themselves go on; another client can `attach` to them)."""
+
+
+class RedisUnavailable(LLMQError, ConnectionError):
+    """Redis did not serve a call: unreachable, refusing the credentials, or still without a primary after the
+    retries a failover needs. The message names no password; `__cause__` is redis-py's exception."""
 
 
 class ProtocolError(LLMQError, ValueError):

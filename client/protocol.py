@@ -46,9 +46,11 @@ __all__ = [
     "MIN_SEED",
     "NOTIFY_FIELD",
     "PROTOCOL_VERSION",
+    "TRACE_FIELD",
     "Bound",
     "ChatMessage",
     "Completion",
+    "DeadLetterBody",
     "DoneEvent",
     "ErrorCode",
     "ErrorEvent",
@@ -68,10 +70,13 @@ __all__ = [
     "Usage",
     "WorkerInfo",
     "decode_completion",
+    "decode_dead_letter",
     "decode_event",
     "decode_request",
+    "decode_trace",
     "decode_worker",
     "encode",
+    "encode_trace",
     "error_from_event",
     "is_valid_name",
     "ms_now",
@@ -93,6 +98,11 @@ LANES: tuple[Lane, ...] = ("interactive", "default", "batch")
 # write to on that client's wake stream (`Keys.wake`), so its reader reads only streams with news. A hint
 # outside the request, so a worker that predates it ignores it (and the client's sweep still reads).
 NOTIFY_FIELD = b"n"
+# A request entry's optional third field: the submitter's trace context, as its OpenTelemetry propagator wrote it
+# (W3C `traceparent` and `tracestate`, by default), a msgpack map of strings (`encode_trace`). Outside the request
+# too, so a worker that predates it ignores it, and a worker that cannot read it runs the request untraced.
+TRACE_FIELD = b"t"
+MAX_TRACE_BYTES = 4096  # a carrier this big is no trace context: it is ignored on both sides
 
 # Request ids, queue names and prefixes end up inside key names and hash tags: no braces, no spaces.
 _NAME_CHARS = r"[A-Za-z0-9._:-]{1,128}"
@@ -303,11 +313,22 @@ class LimitSettings(BaseModel):
     """`RequestLimits` as settings fields (`LLMQ_MAX_PROMPT_BYTES`, ...), shared by the worker's and the gateway's
     settings classes, which mix it in."""
 
-    max_prompt_bytes: int = Field(default=RequestLimits.max_prompt_bytes, ge=1)
-    max_input_ids: int = Field(default=RequestLimits.max_input_ids, ge=1)
-    max_new_tokens: int = Field(default=RequestLimits.max_new_tokens, ge=1, le=MAX_NEW_TOKENS)
-    max_stop: int = Field(default=RequestLimits.max_stop, ge=0)
-    max_stop_bytes: int = Field(default=RequestLimits.max_stop_bytes, ge=1)
+    max_prompt_bytes: int = Field(
+        default=RequestLimits.max_prompt_bytes, ge=1, description="longest prompt a request may send, in UTF-8 bytes"
+    )
+    max_input_ids: int = Field(
+        default=RequestLimits.max_input_ids, ge=1, description="most token ids a request may send"
+    )
+    max_new_tokens: int = Field(
+        default=RequestLimits.max_new_tokens,
+        ge=1,
+        le=MAX_NEW_TOKENS,
+        description="largest max_new_tokens a request may ask for",
+    )
+    max_stop: int = Field(default=RequestLimits.max_stop, ge=0, description="most stop strings a request may give")
+    max_stop_bytes: int = Field(
+        default=RequestLimits.max_stop_bytes, ge=1, description="longest stop string, in UTF-8 bytes"
+    )
 
     @property
     def limits(self) -> RequestLimits:
@@ -459,12 +480,43 @@ class WorkerInfo(_Wire):
     heartbeat: _Count  # epoch ms
 
 
+class DeadLetterBody(_Wire):
+    """An entry of the dead-letter stream (`Keys.dead`): a request entry no worker will run (unreadable, past its
+    delivery limit, quarantined, or its result stream refused), with why. `raw` is the entry's `m` field as it was
+    (empty when it had none), so an operator can inspect or re-queue it."""
+
+    _hidden = frozenset({"raw"})
+    v: _Version = PROTOCOL_VERSION
+    entry_id: str  # its id in the request stream
+    reason: str
+    raw: Annotated[bytes, Field(strict=True)] = b""
+
+
 # --- codec --------------------------------------------------------------------------------------
 
 
 def encode(model: BaseModel) -> bytes:
     """msgpack of the model's fields in declaration order (so `v` comes first), without None values."""
     return msgpack.packb(model.model_dump(exclude_none=True))
+
+
+def encode_trace(carrier: dict[str, str]) -> bytes:
+    """The `TRACE_FIELD` of a propagator's carrier: b"" (no field) when it is empty or over `MAX_TRACE_BYTES`."""
+    raw = msgpack.packb(carrier) if carrier else b""
+    return raw if len(raw) <= MAX_TRACE_BYTES else b""
+
+
+def decode_trace(raw: bytes | None) -> dict[str, str]:
+    """A `TRACE_FIELD` back as a carrier; {} for anything else (it is only a hint: never an error)."""
+    if not raw or len(raw) > MAX_TRACE_BYTES:
+        return {}
+    try:
+        data = msgpack.unpackb(raw)
+    except Exception:  # msgpack raises several types for bad bytes; none of them matter here
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {key: value for key, value in data.items() if isinstance(key, str) and isinstance(value, str)}
 
 
 def _summarize(exc: ValidationError, shown: int = 3) -> str:
@@ -569,6 +621,11 @@ def decode_event(raw: bytes) -> TokensEvent | DoneEvent | ErrorEvent:
 def decode_completion(raw: bytes) -> Completion:
     """An entry's `m` field on a `reply_to` stream."""
     return _validated(Completion.model_validate, raw, "completion")
+
+
+def decode_dead_letter(raw: bytes) -> DeadLetterBody:
+    """An entry's `m` field on the dead-letter stream."""
+    return _validated(DeadLetterBody.model_validate, raw, "dead letter")
 
 
 def decode_worker(raw: bytes) -> WorkerInfo:

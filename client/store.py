@@ -1,21 +1,17 @@
-"""The Redis data model of a queue, in one place: key names, the fence hash's fields, every Lua script, and
-the status query. Both sides import it (the worker too), so it depends on nothing but the protocol module.
+"""The Redis data model of a queue, in one place: key names and the status query; the scripts and what they share
+with Python (fence fields, codes, the consumer group) are in `client.scripts`, re-exported here. Both sides import
+it (the worker too), so it depends on nothing but the protocol and scripts modules.
 
-Keys of a queue share the hash tag `{<prefix>:<queue>}` (one Redis Cluster slot); `Keys` names them all.
-Scripts are registered once per connection (`Scripts.register`), as streaQ keeps its scripts in one module:
-
-| script | run by | what it does |
-| --- | --- | --- |
-| `SUBMIT` | client | idempotency marker + queue limit + XADD, atomically |
-| `RENEW` | worker | renews the leases of the entries the worker still owns |
-| `HAND_BACK` | worker | makes owned entries claimable at once; counts hand-backs and engine failures |
-| `PUBLISH` | worker | one flush of result events: fenced, idempotent, acknowledging, isolated per request |
-| `READ` | worker | new requests from the lanes in order, as many as the free slots, each lane's share first |
+Keys of a queue share the hash tag `{<prefix>:<queue>}` (one Redis Cluster slot); `Keys` names them all. A queue
+spread over P partitions (`LLMQ_QUEUE_PARTITIONS`) has P such tags, `{<prefix>:<queue>}` and `{<prefix>:<queue>#p}`
+for p = 1 .. P-1 ('#' is in no queue name), each its own slot; a request lives in one, `partition_of` its id.
+Scripts are registered once per connection (`Scripts.register`), one typed wrapper per `.lua` file.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import zlib
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from client.errors import MalformedEntry
@@ -29,11 +25,14 @@ from client.protocol import (
     is_valid_name,
     ms_now,
 )
+from client.scripts import CONSUMER_GROUP as CONSUMER_GROUP
+from client.scripts import WAKE_MAXLEN as WAKE_MAXLEN
+from client.scripts import WAKE_NOTICE as WAKE_NOTICE
+from client.scripts import WAKE_TTL_S as WAKE_TTL_S
+from client.scripts import Fence as Fence
+from client.scripts import Scripts as Scripts
 
-CONSUMER_GROUP = "workers"
-WAKE_NOTICE = b"r"  # field of a wake stream entry: the result keys a worker just wrote to, space-separated
-WAKE_MAXLEN = 1000  # entries a wake stream keeps (about); a client further behind is covered by its sweep
-WAKE_TTL_S = 600
+MAX_PARTITIONS = 1024
 
 
 @dataclass(frozen=True)
@@ -42,15 +41,30 @@ class Keys:
 
     queue: str
     prefix: str = DEFAULT_PREFIX
+    partition: int = 0
 
     def __post_init__(self) -> None:
         for what, name in (("queue", self.queue), ("prefix", self.prefix)):
             if not is_valid_name(name):
                 raise ValueError(f"{what} {name!r} must be 1-128 characters of [A-Za-z0-9._:-]")
+        if not 0 <= self.partition < MAX_PARTITIONS:
+            raise ValueError(f"partition must be in [0, {MAX_PARTITIONS}), got {self.partition}")
 
     @property
     def tag(self) -> str:
-        return f"{{{self.prefix}:{self.queue}}}"
+        suffix = f"#{self.partition}" if self.partition else ""
+        return f"{{{self.prefix}:{self.queue}{suffix}}}"
+
+    @property
+    def home(self) -> Keys:
+        """Partition 0, which holds what the whole queue shares: the workers' heartbeats and the fleet's rate."""
+        return self if self.partition == 0 else replace(self, partition=0)
+
+    def partitioned(self, count: int) -> list[Keys]:
+        """The keys of each of `count` partitions of this queue, partition 0 (today's keys) first."""
+        if not 1 <= count <= MAX_PARTITIONS:
+            raise ValueError(f"partitions must be in [1, {MAX_PARTITIONS}], got {count}")
+        return [replace(self, partition=p) for p in range(count)]
 
     @property
     def requests(self) -> str:
@@ -69,7 +83,7 @@ class Keys:
     @property
     def fleet_rate(self) -> str:
         """Tokens per second the fleet generated lately, as the workers' heartbeats measure it (with a TTL)."""
-        return f"{self.tag}:tokens_per_s"
+        return f"{self.home.tag}:tokens_per_s"
 
     @property
     def dead(self) -> str:
@@ -83,8 +97,8 @@ class Keys:
 
     @property
     def workers(self) -> str:
-        """Hash: worker id -> msgpack `WorkerInfo`."""
-        return f"{self.tag}:workers"
+        """Hash: worker id -> msgpack `WorkerInfo` (the queue's, in partition 0)."""
+        return f"{self.home.tag}:workers"
 
     def result(self, request_id: str) -> str:
         """Stream of one request's events; every write refreshes its TTL."""
@@ -111,208 +125,9 @@ class Keys:
         return f"{self.tag}:fence:{request_id}"
 
 
-class Fence:
-    """Fields of a request's fence hash (`Keys.fence`), written by workers only, expiring with the request."""
-
-    ATTEMPT = "a"  # raised by every claim; a write is accepted only from the current attempt
-    WRITTEN = "n"  # tokens whose events are written: a retried write below it is skipped
-    HANDED_BACK = "h"  # hand-backs (drains, engine failures): forgiven up to `max_hand_backs` deliveries
-    ENGINE_FAILURES = "f"  # engine failures the request was implicated in: quarantined at `max_engine_failures`
-    STARTED = "s"  # epoch ms the first attempt started (timings after a resume describe the whole request)
-    PREEMPTED = "p"  # hand-backs to make room for an interactive request: all forgiven, limited by `max_preemptions`
-
-
-# --- scripts ------------------------------------------------------------------------------------
-
-# The client's submit: an atomic check-and-add. KEYS: the idempotency marker, the lane's request stream; ARGV:
-# the entry, the lane's limit (0 = none), the result TTL, the client id (`NOTIFY_FIELD`). Answers 1 = added,
-# 0 = duplicate id (nothing added), or `SUBMIT_FULL` (a full backlog: nothing added, not even the marker).
-# Workers XDEL finished requests, so XLEN of the stream is the lane's backlog.
-SUBMIT = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return 0
-end
-local limit = tonumber(ARGV[2])
-if limit > 0 and redis.call('XLEN', KEYS[2]) >= limit then
-  return -1
-end
-redis.call('SET', KEYS[1], 1, 'EX', ARGV[3])
-if ARGV[4] then
-  redis.call('XADD', KEYS[2], '*', 'm', ARGV[1], 'n', ARGV[4])
-else
-  redis.call('XADD', KEYS[2], '*', 'm', ARGV[1])
-end
-return 1
-"""
-SUBMIT_FULL = -1
-
-
-# Lease renewal: resets the idle time of the entries this consumer still owns. KEYS: the request stream; ARGV:
-# group, consumer, then the entry ids. Returns the ids it no longer owns (claimed by another, or acknowledged).
-RENEW = """
-local lost = {}
-for i = 3, #ARGV do
-  local entry = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if entry[1] and entry[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-  else
-    lost[#lost + 1] = ARGV[i]
-  end
-end
-return lost
-"""
-
-# Hands back only entries this consumer still owns: sets their idle time past any lease, so any worker's next
-# XAUTOCLAIM takes them, and counts the hand-back in the request's fence hash (`h`), so a request handed back
-# at every rolling restart does not run into the delivery limit; after an engine failure that implicated the
-# request it also counts that (`f`), which quarantines a request that keeps killing engines; a preemption counts
-# `p` instead of `h`. KEYS: request stream, then one fence hash per entry; ARGV: group, consumer, idle ms, the
-# reason (`HAND_BACK_DRAIN`, `HAND_BACK_ENGINE_FAILURE`, `HAND_BACK_PREEMPTION`), then the entry ids.
-# The fence writes are per request (pcall): a key Redis refuses fails that count, never the other hand-backs.
-HAND_BACK = """
-local handed = 0
-for i = 5, #ARGV do
-  local entry = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if entry[1] and entry[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'JUSTID')
-    local fence = KEYS[i - 3]
-    if redis.pcall('EXISTS', fence) == 1 then
-      if ARGV[4] == '2' then
-        redis.pcall('HINCRBY', fence, 'p', 1)
-      else
-        redis.pcall('HINCRBY', fence, 'h', 1)
-      end
-      if ARGV[4] == '1' then
-        redis.pcall('HINCRBY', fence, 'f', 1)
-      end
-    end
-    handed = handed + 1
-  end
-end
-return handed
-"""
-
-
-HAND_BACK_DRAIN, HAND_BACK_ENGINE_FAILURE, HAND_BACK_PREEMPTION = 0, 1, 2
-
-# A worker's read, lanes in order: per step (lane, wanted) an XREADGROUP of at most `wanted` new entries, while
-# `free` slots last, so a full worker takes nothing and the steps decide the lanes' shares. KEYS: the lanes'
-# request streams; ARGV: group, consumer, free, then pairs of (1-based lane index, wanted). Returns the entries
-# read as {lane index, id, fields} and, when there were none, each lane's last entry id: an XREAD BLOCK from
-# those ids wakes on the next entry without missing one added meanwhile.
-READ = """
-local free, read = tonumber(ARGV[3]), {}
-for i = 4, #ARGV - 1, 2 do
-  local lane, wanted = tonumber(ARGV[i]), math.min(tonumber(ARGV[i + 1]), free)
-  if wanted > 0 then
-    local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', wanted, 'STREAMS', KEYS[lane], '>')
-    if reply then
-      for _, entry in ipairs(reply[1][2]) do
-        read[#read + 1] = {lane, entry[1], entry[2]}
-      end
-      free = free - #reply[1][2]
-    end
-  end
-end
-local last = {}
-if #read == 0 then
-  for lane = 1, #KEYS do
-    local newest = redis.call('XREVRANGE', KEYS[lane], '+', '-', 'COUNT', 1)
-    last[lane] = newest[1] and newest[1][1] or '0-0'
-  end
-end
-return {read, last}
-"""
-
-
-# One call per flush, whatever it carries: packing and parsing a command per event was most of a busy
-# worker's time. KEYS: per event its request stream (its lane's), result stream, fence hash, reply stream and
-# its client's wake stream (the result stream again for none). ARGV: the group, the reply streams' MAXLEN, the wake
-# streams' MAXLEN and TTL, then per event: attempt
-# ('' = unfenced), ttl, event ('' = none: acknowledge only), seq, size, entry id to acknowledge ('' = none),
-# completion for the reply stream ('' = none; appended with the event, so exactly when the event is).
-# Returns per event 1 (written or already there), 0 (fenced), or the error Redis gave for that event's keys
-# alone (pcall): one request's broken key fails that request, never the batch. An error that concerns the whole
-# server (out of memory, read-only replica, loading...) fails the call instead, so the batch stays queued.
-# Each wake stream then gets one notice naming the result streams written for its client (`client._mux`).
-PUBLISH = """
-local function publish(stream, result, fence, reply, attempt, ttl, event, seq, size, entry, completion)
-  local ok, write = 1, event ~= ''
-  if attempt ~= '' then
-    local current = redis.call('HMGET', fence, 'a', 'n')
-    if current[1] ~= attempt then
-      ok, write, entry = 0, false, ''
-    else
-      write = write and tonumber(seq) >= tonumber(current[2] or '0')
-      if write then
-        redis.call('HSET', fence, 'n', tonumber(seq) + tonumber(size))
-      end
-      redis.call('EXPIRE', fence, ttl)
-    end
-  end
-  if write then
-    redis.call('XADD', result, '*', 'm', event)
-    redis.call('EXPIRE', result, ttl)
-    if completion ~= '' then
-      redis.call('XADD', reply, 'MAXLEN', '~', ARGV[2], '*', 'm', completion)
-    end
-  end
-  if entry ~= '' then
-    redis.call('XACK', stream, ARGV[1], entry)
-    redis.call('XDEL', stream, entry)
-  end
-  return ok
-end
-local server_wide = {'OOM', 'READONLY', 'LOADING', 'BUSY', 'MASTERDOWN', 'NOREPLICAS', 'MISCONF', 'CLUSTERDOWN'}
-local written, refused, notices = {}, {}, {}
-for i = 0, #KEYS / 5 - 1 do
-  local result, a = KEYS[2 + 5 * i], 5 + 7 * i
-  local outcome = refused[result]  -- a request refused once: its later events (and its ack) are not tried
-  if not outcome then
-    local done
-    done, outcome = pcall(publish, KEYS[1 + 5 * i], result, KEYS[3 + 5 * i], KEYS[4 + 5 * i],
-      ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6])
-    if not done then
-      local message = type(outcome) == 'table' and outcome.err or tostring(outcome)
-      for _, prefix in ipairs(server_wide) do
-        if string.sub(message, 1, #prefix) == prefix then
-          return redis.error_reply(message)
-        end
-      end
-      outcome = message
-      refused[result] = message
-    end
-  end
-  local wake = KEYS[5 + 5 * i]
-  if outcome == 1 and wake ~= result then
-    notices[wake] = notices[wake] or {}
-    table.insert(notices[wake], result)
-  end
-  written[i + 1] = outcome
-end
-for wake, results in pairs(notices) do  -- a notice is a hint (the client sweeps too): a refused one is dropped
-  pcall(function()
-    redis.call('XADD', wake, 'MAXLEN', '~', ARGV[3], '*', 'r', table.concat(results, ' '))
-    redis.call('EXPIRE', wake, ARGV[4])
-  end)
-end
-return written
-"""
-
-
-@dataclass(frozen=True)
-class Scripts:
-    """Every script, registered on one Redis connection (sync or asyncio)."""
-
-    submit: Any
-    renew: Any
-    hand_back: Any
-    publish: Any
-    read: Any
-
-    @classmethod
-    def register(cls, redis: Any) -> Scripts:
-        return cls(*(redis.register_script(body) for body in (SUBMIT, RENEW, HAND_BACK, PUBLISH, READ)))
+def partition_of(request_id: str, partitions: int) -> int:
+    """The partition of a request: CRC-32 of its id, so every client, gateway and worker agrees without asking."""
+    return zlib.crc32(request_id.encode()) % partitions if partitions > 1 else 0
 
 
 # --- status -------------------------------------------------------------------------------------
@@ -338,6 +153,17 @@ class LaneStatus:
 
 
 @dataclass(frozen=True)
+class PartitionStatus:
+    """One partition of a queue (`LLMQ_QUEUE_PARTITIONS`): its own depth, pending, lag and dead letters."""
+
+    partition: int
+    depth: int
+    pending: int | None
+    lag: int | None
+    dead: int
+
+
+@dataclass(frozen=True)
 class QueueStatus:
     """A queue at a glance, summed over its lanes (`lanes` has each); `pending`/`lag` are None until a worker has
     created the consumer group."""
@@ -352,6 +178,7 @@ class QueueStatus:
     stale_workers: list[str] = field(default_factory=list)  # heartbeats older than `stale_after_s`, or unreadable
     lanes: list[LaneStatus] = field(default_factory=list)  # highest lane first
     tokens_per_s: float | None = None  # the fleet's recent generation rate, as the workers measure it
+    partitions: list[PartitionStatus] = field(default_factory=list)  # each partition's share, when there are several
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "workers": [w.model_dump() for w in self.workers]}
@@ -370,16 +197,17 @@ def _group_stats(groups: Any, group: bytes) -> tuple[int | None, int | None]:
 _PER_LANE = 4  # replies per lane in `queue_status_commands`
 
 
-def queue_status_commands(pipe: Any, keys: Keys) -> None:
-    """Queue on a pipeline the reads `status_from_replies` expects, in its order."""
-    pipe.xlen(keys.dead)
-    pipe.hgetall(keys.workers)
-    pipe.get(keys.fleet_rate)
-    for stream in keys.lanes.values():
-        pipe.xlen(stream)
-        pipe.xinfo_groups(stream)
-        pipe.xpending(stream, CONSUMER_GROUP)
-        pipe.xrange(stream, count=BACKLOG_SAMPLE)
+def queue_status_commands(pipe: Any, keys: Keys, partitions: int = 1) -> None:
+    """Queue on a pipeline the reads `status_from_replies` expects, in its order: each partition's in turn."""
+    for part in keys.partitioned(partitions):
+        pipe.xlen(part.dead)
+        pipe.hgetall(part.workers)
+        pipe.get(part.fleet_rate)
+        for stream in part.lanes.values():
+            pipe.xlen(stream)
+            pipe.xinfo_groups(stream)
+            pipe.xpending(stream, CONSUMER_GROUP)
+            pipe.xrange(stream, count=BACKLOG_SAMPLE)
 
 
 def queue_cancel_commands(pipe: Any, keys: Keys, request_id: str, ttl: int, *, sharded: bool) -> None:
@@ -390,7 +218,13 @@ def queue_cancel_commands(pipe: Any, keys: Keys, request_id: str, ttl: int, *, s
 
 
 def status_from_replies(queue: str, replies: list[Any], stale_after_s: float) -> QueueStatus:
-    """Build `QueueStatus` from the replies to `queue_status_commands`."""
+    """Build `QueueStatus` from the replies to `queue_status_commands`, of one partition or several."""
+    per = 3 + _PER_LANE * len(LANES)
+    parts = [replies[start : start + per] for start in range(0, len(replies), per)]
+    return merge_partitions([_partition_status(queue, part, stale_after_s) for part in parts])
+
+
+def _partition_status(queue: str, replies: list[Any], stale_after_s: float) -> QueueStatus:
     dead, workers_hash, rate = replies[:3]
     for reply in (dead, workers_hash):
         if isinstance(reply, Exception):
@@ -426,6 +260,51 @@ def status_from_replies(queue: str, replies: list[Any], stale_after_s: float) ->
         lanes=lanes,
         tokens_per_s=tokens_per_s,
     )
+
+
+def merge_partitions(statuses: list[QueueStatus]) -> QueueStatus:
+    """One queue's status from its partitions' (`status_from_replies` of each, partition 0 first): counts summed,
+    lane by lane, the workers and the rate (which all partitions share) from the first, each partition listed."""
+    if len(statuses) == 1:
+        return statuses[0]
+    first = statuses[0]
+
+    def total(values: list[int | None]) -> int | None:
+        known = [value for value in values if value is not None]
+        return sum(known) if known else None
+
+    lanes = []
+    for i, lane in enumerate(first.lanes):
+        each = [status.lanes[i] for status in statuses]
+        tokens = sum(one.backlog_tokens for one in each)
+        lanes.append(
+            LaneStatus(
+                lane=lane.lane,
+                depth=sum(one.depth for one in each),
+                pending=total([one.pending for one in each]),
+                lag=total([one.lag for one in each]),
+                oldest_pending_age_s=_oldest([one.oldest_pending_age_s for one in each]),
+                backlog_tokens=tokens,
+                backlog_seconds=tokens / first.tokens_per_s if first.tokens_per_s else None,
+            )
+        )
+    return replace(
+        first,
+        depth=sum(status.depth for status in statuses),
+        pending=total([status.pending for status in statuses]),
+        lag=total([status.lag for status in statuses]),
+        dead=sum(status.dead for status in statuses),
+        oldest_pending_age_s=_oldest([status.oldest_pending_age_s for status in statuses]),
+        lanes=lanes,
+        partitions=[
+            PartitionStatus(p, status.depth, status.pending, status.lag, status.dead)
+            for p, status in enumerate(statuses)
+        ],
+    )
+
+
+def _oldest(ages: list[float | None]) -> float | None:
+    return max((age for age in ages if age is not None), default=None)
 
 
 def _lane_status(lane: str, replies: list[Any], tokens_per_s: float | None) -> LaneStatus:

@@ -14,11 +14,10 @@ from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, Self
 
-from redis import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
+from redis import Redis, RedisCluster
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
+from redis.typing import KeyT, StreamIdT
 
 from client._core import (
     DEFAULT_URL,
@@ -31,13 +30,12 @@ from client._core import (
     queue_full_delays,
     submit_arguments_error,
 )
-from client._mux import ENTRIES_PER_STREAM, WAKE_DELAY_S, Follower, MuxCore, max_block_ms
+from client._mux import ENTRIES_PER_STREAM, WAKE_DELAY_S, Follower, MuxCore, is_wrong_type, max_block_ms
 from client.connection import check_sync, is_cluster, open_sync
 from client.errors import ClientClosed, LLMQError, QueueFull
+from client.failover import FAILOVER_TIMEOUT_S, REDIS_FAILURES, refused, retry_sync, unavailable
 from client.protocol import DEFAULT_PREFIX, ChatMessage, Lane, RequestLimits
 from client.store import Keys, QueueStatus, queue_cancel_commands, queue_status_commands, status_from_replies
-
-_RECONNECTABLE = (RedisConnectionError, RedisTimeoutError)
 
 
 class Client(BaseClient):
@@ -50,6 +48,12 @@ class Client(BaseClient):
     :param limits: checked before submitting (default `RequestLimits()`); workers enforce their own too.
     :param redis: an existing `redis.Redis` (decode_responses=False) to use instead of `url`;
         it is not closed by `close`.
+    :param failover_timeout: seconds a call (submit, cancel, status) keeps retrying while Redis is away (a primary
+        being replaced, a dropped connection) before it raises `RedisUnavailable`; 0 fails at once.
+    :param wait_replicas: replicas that must acknowledge each submission (`WAIT`) before `submit` returns, so a
+        failover cannot lose it; 0 (default) returns once the primary has it.
+    :param partitions: the queues' `LLMQ_QUEUE_PARTITIONS`: each request goes to the partition of its id, and
+        `max_queue_len` is shared out over them (every process of a deployment must use the same count).
     :param redis_kwargs: passed to `redis.BlockingConnectionPool.from_url`; by default the client holds at
         most 4 connections (`max_connections`) for all its work, whatever the number of threads: one reader
         thread follows every awaited job's result stream, and calls wait for a free connection. On a Cluster or
@@ -69,6 +73,9 @@ class Client(BaseClient):
         limits: RequestLimits | None = None,
         redis: Redis | None = None,
         ssl_ca_certs: str | None = None,
+        failover_timeout: float = FAILOVER_TIMEOUT_S,
+        wait_replicas: int = 0,
+        partitions: int = 1,
         **redis_kwargs: Any,
     ) -> None:
         own = redis is None
@@ -84,6 +91,9 @@ class Client(BaseClient):
             max_queue_len=max_queue_len,
             result_ttl=result_ttl,
             limits=limits,
+            failover_timeout=failover_timeout,
+            wait_replicas=wait_replicas,
+            partitions=partitions,
         )
         self._muxes: dict[str, ResultMux] = {}
         self._muxes_lock = threading.Lock()
@@ -102,7 +112,9 @@ class Client(BaseClient):
         with self._muxes_lock:
             mux = self._muxes.get(keys.tag)
             if mux is None:
-                mux = self._muxes[keys.tag] = ResultMux(self._redis, keys, self.client_id, self.socket_timeout)
+                mux = self._muxes[keys.tag] = ResultMux(
+                    self._redis, keys, self.client_id, self.socket_timeout, self._url
+                )
             return mux
 
     def __enter__(self) -> Self:
@@ -153,7 +165,7 @@ class Client(BaseClient):
         when the lane's backlog is at `max_queue_len`.
         """
         self.ensure_open()
-        keys = self.keys_for(queue)
+        self.keys_for(queue)  # a bad queue name is refused first
         request = self.build_request(
             prompt,
             messages=messages,
@@ -177,8 +189,12 @@ class Client(BaseClient):
                 "response_format": response_format,
             },
         )
-        script_keys, args = self.submit_args(request, keys, priority)
-        self.check_submitted(self._scripts.submit(keys=script_keys, args=args), keys, priority)
+        keys = self.keys_for(queue, request.id)
+        with self.submitting(request, keys, priority) as call:
+            added = self._retry(
+                "a submit", lambda: self._scripts.submit.run_sync(self._redis, call, self.wait_replicas)
+            )
+            self.check_submitted(added, keys, priority)
         return Job(self, request.id, keys)
 
     def submit_many(
@@ -230,15 +246,25 @@ class Client(BaseClient):
     def check(self) -> None:
         """The blocking twin of `AsyncClient.check`."""
         self.ensure_open()
-        check_sync(self._redis, self._url or "redis://")
+        url = self._url
+        retry_sync("a check", url, 0, lambda: check_sync(self._redis, url) if url else self._redis.ping())
 
     def status(self, *, queue: str | None = None, stale_after_s: float = 15.0) -> QueueStatus:
         """Backlog, pending and lag of the consumer group, dead letters, and workers seen in `stale_after_s`."""
         self.ensure_open()
         keys = self.keys_for(queue)
+        status: QueueStatus = self._retry("a status query", lambda: self._status(keys, stale_after_s))
+        return status
+
+    def _status(self, keys: Keys, stale_after_s: float) -> QueueStatus:
+        """The blocking twin of `AsyncClient._status`."""
         pipe = self._redis.pipeline(transaction=False)
-        queue_status_commands(pipe, keys)
+        queue_status_commands(pipe, keys, self.partitions)
         return status_from_replies(keys.queue, pipe.execute(raise_on_error=False), stale_after_s)
+
+    def _retry(self, what: str, call: Any) -> Any:
+        """`call()`, repeated while Redis is away for less than `failover_timeout`; then `RedisUnavailable`."""
+        return retry_sync(what, self._url, self.failover_timeout, call)
 
 
 class Job(BaseJob):
@@ -249,7 +275,7 @@ class Job(BaseJob):
     @classmethod
     def attach(cls, client: Client, request_id: str, *, queue: str | None = None) -> Job:
         """Follow a request submitted elsewhere, reading its result stream from the start."""
-        return cls(client, request_id, client.keys_for(queue))
+        return cls(client, request_id, client.keys_for(queue, request_id))
 
     def stream(self, timeout: float | None = None) -> Iterator[Delta]:
         """New output as it arrives. Ends after `done` (see `finish_reason`; a cancel just ends it),
@@ -287,7 +313,10 @@ class Job(BaseJob):
     def cancel(self) -> None:
         """Ask the workers to stop this request; the stream then ends with `finish_reason == "cancelled"`."""
         self._client.ensure_open()
-        pipe = self._client._redis.pipeline(transaction=True)
+        self._client._retry("a cancel", self._send_cancel)
+
+    def _send_cancel(self) -> None:
+        pipe = self._client._redis.pipeline(transaction=False)  # the mark, then the message: an order, not an atomicity
         queue_cancel_commands(
             pipe, self.keys, self.id, self._client.result_ttl, sharded=is_cluster(self._client._redis)
         )
@@ -299,8 +328,11 @@ class ResultMux:
     connection at a time (`client._mux.MuxCore` decides what to read and routes it). Started by the first
     follower; any thread may follow and unfollow."""
 
-    def __init__(self, redis: Redis, keys: Keys, client_id: str, socket_timeout: float | None) -> None:
+    def __init__(
+        self, redis: Redis, keys: Keys, client_id: str, socket_timeout: float | None, url: str | None = None
+    ) -> None:
         self._redis = redis
+        self._url = url
         self._core = MuxCore(keys, client_id, max_block_ms(socket_timeout))
         self._lock = threading.Lock()  # guards the core: followers come and go from any thread
         self._followed = threading.Condition(self._lock)
@@ -360,14 +392,18 @@ class ResultMux:
                     return
             try:
                 self._read_round()
-            except _RECONNECTABLE as exc:
+            except REDIS_FAILURES as exc:
+                if self._drop_wrong_types(exc):
+                    continue
                 with self._lock:
                     if self._closed:
                         return
-                    delay = core.retry_delay(exc)
+                    delay = None if refused(exc) else core.retry_delay(exc)
                     if delay is None:
+                        failure = unavailable("reading results", self._url, exc)
+                        failure.__cause__ = exc
                         for follower in core.followers():
-                            follower.inbox.put(exc)
+                            follower.inbox.put(failure)
                         self._thread = None
                         return
                 time.sleep(delay)
@@ -379,18 +415,46 @@ class ResultMux:
                     self._thread = None
                 return
 
+    def _node(self) -> dict[str, Any]:
+        """On a Cluster, the node of this queue's slot, named: redis-py 8.1's sync cluster client asks its default
+        node (the first master it met) for XREAD's keys before each call, and never replaces a dead one."""
+        if not isinstance(self._redis, RedisCluster):
+            return {}
+        return {"target_nodes": self._redis.get_node_from_key(self._core.wake_key)}
+
+    def _drop_wrong_types(self, exc: Exception) -> bool:
+        """After a `WRONGTYPE` reply, fails the jobs whose result key holds another type than a stream; True when
+        there were any (the others read on at once)."""
+        if not is_wrong_type(exc):
+            return False
+        with self._lock:
+            keys = self._core.followed_keys()
+        try:
+            with self._redis.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.type(key)
+                kinds = pipe.execute()
+        except REDIS_FAILURES:
+            return False  # retried as any failure is
+        with self._lock:
+            failed = self._core.drop_wrong_types(dict(zip(keys, kinds, strict=True)))
+        for follower, error in failed:
+            follower.inbox.put(error)
+        return bool(failed)
+
     def _read_round(self) -> None:
         core = self._core
         with self._lock:
             plan = core.plan(time.monotonic())
             self._blocked = plan.block_ms is not None
+        node = self._node()
         try:
             if plan.block_ms is not None:
-                replies = [self._redis.xread(plan.chunks[0], count=ENTRIES_PER_STREAM, block=plan.block_ms)]
+                replies = [self._redis.execute_command(*_xread(plan.chunks[0], plan.block_ms), **node)]
             else:
                 with self._redis.pipeline(transaction=False) as pipe:
                     for chunk in plan.chunks:
-                        pipe.xread(chunk, count=ENTRIES_PER_STREAM)
+                        pipe.execute_command(*_xread(chunk, None), **node)
                     replies = pipe.execute()
         finally:
             with self._lock:
@@ -399,3 +463,9 @@ class ResultMux:
             routed = [item for reply in replies for item in core.route(reply)]
         for follower, entry_id, fields in routed:
             follower.inbox.put((entry_id, fields))
+
+
+def _xread(streams: Mapping[KeyT, StreamIdT], block_ms: int | None) -> list[Any]:
+    """XREAD's arguments, as redis-py's `xread` builds them."""
+    block = [] if block_ms is None else ["BLOCK", block_ms]
+    return ["XREAD", "COUNT", ENTRIES_PER_STREAM, *block, "STREAMS", *streams, *streams.values()]
