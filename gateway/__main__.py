@@ -5,15 +5,35 @@ from __future__ import annotations
 
 import sys
 
-import uvicorn
-
-from gateway.app import create_app
-from gateway.settings import GatewaySettings
-from worker.logging import configure
+# The `gateway` extra's modules (pyproject.toml): when one is missing the command says what to install.
+EXTRA = frozenset({"starlette", "uvicorn", "pydantic_settings", "structlog", "prometheus_client"})
+MISSING = "llmq-gateway: the gateway needs the 'gateway' extra: pip install 'llmq-redis[gateway]'"
+ABOUT = (
+    "Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models) in front of the "
+    "workers' Redis queues."
+)
+EXITS = (
+    "Exit status: 0 after a clean stop (SIGTERM, Ctrl-C) or for --help and --version; 1 when --queues names no "
+    "queue or the 'gateway' extra is not installed; 2 for a bad flag or setting."
+)
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = GatewaySettings(_cli_parse_args=sys.argv[1:] if argv is None else argv)  # type: ignore[call-arg]
+    # The flags first, then Starlette and uvicorn, so `--help` and `--version` load neither; without the extra,
+    # one line says what to install instead of a traceback.
+    try:
+        from gateway.settings import GatewaySettings
+        from serverlog.cli import parse
+
+        settings = parse(GatewaySettings, sys.argv[1:] if argv is None else argv, description=ABOUT, exits=EXITS)
+        import uvicorn
+
+        from gateway.app import create_app
+        from serverlog import configure
+    except ModuleNotFoundError as error:
+        if (error.name or "").partition(".")[0] not in EXTRA:
+            raise
+        sys.exit(MISSING)
     if not settings.queue_names:
         sys.exit("llmq-gateway: --queues names no queue")
     configure(settings.log_format, settings.log_level)

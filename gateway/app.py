@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from client import AsyncClient
+from client.tracing import configure_from_env
 from gateway.auth import APIKeyMiddleware
 from gateway.completions import chat_completions, completions
 from gateway.errors import APIError, from_exception, unknown_model
@@ -22,7 +23,8 @@ from gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsMiddleware
 from gateway.models import ModelDirectory, ServedModel
 from gateway.settings import GatewaySettings
 from gateway.state import Gateway
-from worker.logging import get_logger
+from gateway.tracing import TracingMiddleware
+from serverlog import get_logger
 
 
 def _model_object(model: ServedModel) -> dict[str, object]:
@@ -110,6 +112,7 @@ def create_app(settings: GatewaySettings | None = None, *, client: AsyncClient |
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        configure_from_env("llmq-gateway").report(log, "tracing_on", "tracing_not_configured")
         queue_client = client or AsyncClient(
             settings.redis_url.get_secret_value(),
             queue=settings.queue_names[0],
@@ -119,6 +122,9 @@ def create_app(settings: GatewaySettings | None = None, *, client: AsyncClient |
             limits=settings.limits,
             ssl_ca_certs=str(settings.redis_ca_file) if settings.redis_ca_file else None,
             max_connections=settings.redis_max_connections,
+            failover_timeout=settings.redis_failover_timeout_s,
+            wait_replicas=settings.redis_wait_replicas,
+            partitions=settings.queue_partitions,
         )
         models = ModelDirectory(
             queue_client, settings.queue_names, stale_s=settings.worker_stale_s, refresh_s=settings.models_refresh_s
@@ -135,6 +141,7 @@ def create_app(settings: GatewaySettings | None = None, *, client: AsyncClient |
     return Starlette(
         routes=ROUTES,
         middleware=[
+            Middleware(TracingMiddleware, routes=routes),  # outermost: the span covers the others too
             Middleware(MetricsMiddleware, metrics=gateway_metrics, routes=routes),
             Middleware(APIKeyMiddleware, keys=settings.keys),
         ],

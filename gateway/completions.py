@@ -25,7 +25,7 @@ from client.errors import Cancelled
 from client.openai_format import CHAT, COMPLETIONS, Translated, completion_body, translate
 from gateway.chunks import ChunkMaker
 from gateway.errors import APIError, from_exception, unknown_model
-from gateway.metrics import CLIENT_CLOSED
+from gateway.metrics import CLIENT_CLOSED, label_model
 from gateway.sse import DONE, ClientGone, EventStream, event, unless_disconnected
 from gateway.state import Gateway
 
@@ -59,9 +59,12 @@ async def _complete(gateway: Gateway, request: Request, url: str, started: float
     asked = translate(body, url)
     if not asked.model:
         raise APIError(400, "model is required", code="invalid_request", param="model")
+    served = await gateway.models.served()
     queue = await gateway.models.queue_of(asked.model)
     if queue is None:
-        raise unknown_model(asked.model, sorted(await gateway.models.served()))
+        raise unknown_model(asked.model, sorted(served))
+    if asked.model in served:  # a served model's name, so a bounded label; a queue's name (accepted too) is none
+        label_model(request.scope, asked.model)
     timeout = request_timeout(request.headers.get(TIMEOUT_HEADER), gateway.settings.request_timeout_s)
     job = await gateway.client.submit(**asked.options, queue=queue, deadline=timeout)
     answer = Answer(gateway, job, url, asked, started, timeout)
@@ -152,7 +155,7 @@ class Answer:
     async def stream(self, request: Request) -> Response:
         deltas = self.job.stream(self.timeout)
         first = await unless_disconnected(request.receive, _next(deltas))
-        self.gateway.metrics.ttft.labels(self.url).observe(time.monotonic() - self.started)
+        self.gateway.metrics.ttft.labels(self.url, self.model).observe(time.monotonic() - self.started)
         return EventStream(self._events(first, deltas), headers={"X-Request-Id": self.job.id})
 
     async def _events(self, first: Delta | None, deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:

@@ -9,7 +9,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.responses import JSONResponse
 
-from client.errors import Cancelled, InvalidRequest, LimitExceeded, QueueFull, RequestFailed, ResultTimeout
+from client.errors import (
+    Cancelled,
+    InvalidRequest,
+    LimitExceeded,
+    QueueFull,
+    RedisUnavailable,
+    RequestFailed,
+    ResultTimeout,
+)
 from client.openai_format import FieldError
 from client.protocol import ErrorCode
 
@@ -88,6 +96,6 @@ def from_exception(error: BaseException, *, retry_after_s: int, source: str = "p
         return APIError(408, f"{error} (the request was cancelled)", kind="timeout_error", code="timeout")
     if isinstance(error, Cancelled):
         return APIError(409, str(error), kind="invalid_request_error", code="cancelled")
-    if isinstance(error, RedisConnectionError | RedisTimeoutError):
+    if isinstance(error, RedisUnavailable | RedisConnectionError | RedisTimeoutError):
         return APIError(503, "The queue is unreachable; retry later.", kind="server_error", code="unavailable")
     return APIError(500, "Internal error in the gateway.", kind="server_error", code="internal")

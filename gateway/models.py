@@ -33,21 +33,34 @@ class ModelDirectory:
         self._refresh_s = refresh_s
         self._served: dict[str, ServedModel] = {}
         self._read_at = -float("inf")
-        self._lock = asyncio.Lock()  # one refresh at a time; the requests that arrive meanwhile reuse it
+        # One refresh at a time, shared: requests that arrive while it runs await the same one, and all get its
+        # answer (or its error: during an outage, each a 503 after one failover window, not one after another).
+        self._refreshing: asyncio.Task[dict[str, ServedModel]] | None = None
 
     async def served(self) -> dict[str, ServedModel]:
         """Models of live workers, by id; for one model on several queues, the first configured queue wins."""
-        async with self._lock:
-            if time.monotonic() - self._read_at >= self._refresh_s:
-                served: dict[str, ServedModel] = {}
-                for queue in self._queues:
-                    status = await self._client.status(queue=queue, stale_after_s=self._stale_s)
-                    for model, workers in _by_model(status.workers).items():
-                        if model not in served:
-                            created = min(w.started for w in workers) // 1000
-                            served[model] = ServedModel(model, queue, len(workers), created)
-                self._served, self._read_at = served, time.monotonic()
-        return self._served
+        if time.monotonic() - self._read_at < self._refresh_s:
+            return self._served
+        if self._refreshing is None:
+            self._refreshing = asyncio.create_task(self._refresh(), name="llmq-gateway-models")
+            self._refreshing.add_done_callback(self._refreshed)
+        return await asyncio.shield(self._refreshing)  # a caller that goes away leaves it to the others
+
+    async def _refresh(self) -> dict[str, ServedModel]:
+        served: dict[str, ServedModel] = {}
+        for queue in self._queues:
+            status = await self._client.status(queue=queue, stale_after_s=self._stale_s)
+            for model, workers in _by_model(status.workers).items():
+                if model not in served:
+                    created = min(w.started for w in workers) // 1000
+                    served[model] = ServedModel(model, queue, len(workers), created)
+        self._served, self._read_at = served, time.monotonic()
+        return served
+
+    def _refreshed(self, task: asyncio.Task[dict[str, ServedModel]]) -> None:
+        self._refreshing = None
+        if not task.cancelled():
+            task.exception()  # retrieved: its awaiters raise it; with none left, nothing logs it as lost
 
     async def queue_of(self, model: str) -> str | None:
         """The queue serving `model` (or named `model`), None when no configured queue does."""

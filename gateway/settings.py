@@ -7,9 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from client.connection import parse_url
 from client.protocol import DEFAULT_PREFIX, MAX_RESULT_TTL_S, LimitSettings
 
 
@@ -48,16 +49,55 @@ class GatewaySettings(BaseSettings, LimitSettings):
     redis_ca_file: Path | None = Field(default=None, description="CA bundle for rediss:// (TLS)")
     prefix: str = Field(default=DEFAULT_PREFIX, description="key prefix of the deployment")
     queues: str = Field(default="default", description="comma-separated queues whose workers' models are served")
+    queue_partitions: int = Field(
+        default=1, ge=1, le=1024, description="partitions of each queue, as the workers' LLMQ_QUEUE_PARTITIONS"
+    )
     max_queue_len: int = Field(default=10000, ge=0, description="backlog at which a request gets 429 (0 = no limit)")
     result_ttl_s: int = Field(
         default=3600, ge=1, le=MAX_RESULT_TTL_S, description="seconds a result outlives its last write"
     )
     redis_max_connections: int = Field(default=32, ge=2, description="Redis connections held for all requests together")
+    redis_wait_replicas: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description="replicas that must acknowledge each submission (WAIT) before it is accepted",
+    )
+    redis_failover_timeout_s: float = Field(
+        default=5.0,
+        ge=0,
+        le=3600,
+        description="how long a request's Redis calls retry while Redis is away before a 503",
+    )
     worker_stale_s: float = Field(default=15.0, gt=0, description="a worker silent this long no longer lists its model")
     models_refresh_s: float = Field(default=2.0, ge=0, description="how long the model -> queue map is reused")
 
-    log_format: Literal["console", "json"] = "console"
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["console", "json"] = Field(
+        default="console", description="console for people, json for machines"
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="lowest level logged")
+
+    # Refused here, as bad values of their flags, rather than by uvicorn or the first request after start-up.
+
+    @field_validator("redis_url")
+    @classmethod
+    def _a_redis_url(cls, url: SecretStr) -> SecretStr:
+        parse_url(url.get_secret_value())  # its ValueError shows no password
+        return url
+
+    @field_validator("ssl_certfile", "ssl_keyfile", "redis_ca_file")
+    @classmethod
+    def _an_existing_file(cls, path: Path | None) -> Path | None:
+        if path is not None and not path.is_file():
+            raise ValueError(f"no file at {path}")
+        return path
+
+    @field_validator("api_keys")
+    @classmethod
+    def _some_key(cls, keys: SecretStr | None) -> SecretStr | None:
+        if keys is not None and not any(key.strip() for key in keys.get_secret_value().split(",")):
+            raise ValueError("names no key (leave it unset for an API without authentication)")
+        return keys
 
     @property
     def queue_names(self) -> list[str]:

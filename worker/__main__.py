@@ -15,12 +15,36 @@ signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
 import asyncio  # noqa: E402 - after the handler, so a SIGTERM during these slow imports is caught
 
-from worker.config import Settings  # noqa: E402
-from worker.process import RedisUnavailable, serve  # noqa: E402
+from client.errors import RedisUnavailable  # noqa: E402
+
+# The `worker` extra's modules (pyproject.toml): when one is missing the command says what to install.
+EXTRA = frozenset(
+    {"torch", "transformers", "accelerate", "gguf", "pydantic_settings", "structlog", "prometheus_client"}
+)
+ABOUT = (
+    "Run one worker: it reads generation requests from a Redis queue, as many as its engine has free slots, and "
+    "streams their tokens back. Start as many as you like on one Redis."
+)
+MISSING = "llmq-worker: the worker needs the 'worker' extra: pip install 'llmq-redis[worker]'"
+EXITS = (
+    "Exit status: 0 after a drain (SIGTERM) or for --help and --version; 1 when Redis cannot be used or the "
+    "'worker' extra is not installed; 2 for a bad flag or setting."
+)
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = Settings(_cli_parse_args=sys.argv[1:] if argv is None else argv)  # type: ignore[call-arg]
+    # The flags first, then the engine (torch), so `--help` and `--version` stay fast; without the extra, one line
+    # says what to install instead of a traceback.
+    try:
+        from serverlog.cli import parse
+        from worker.config import Settings
+
+        settings = parse(Settings, sys.argv[1:] if argv is None else argv, description=ABOUT, exits=EXITS)
+        from worker.process import serve
+    except ModuleNotFoundError as error:
+        if (error.name or "").partition(".")[0] not in EXTRA:
+            raise
+        sys.exit(MISSING)
     try:
         asyncio.run(serve(settings))
     except RedisUnavailable as error:

@@ -10,17 +10,25 @@ from collections.abc import Callable
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 from structlog.typing import FilteringBoundLogger
 
+from client.backoff import jittered
 from client.connection import is_cluster
+from client.failover import REDIS_FAILURES
 from client.store import Keys
 from worker.engine import GenerationEngine
 from worker.logging import redact
 from worker.pausing import pause
 
+RESUBSCRIBE_S = 1.0  # a lost cancel channel is subscribed again after about this long (jittered)
+HEARD_FOR_S = 60.0  # how long a cancel for a request not running here is remembered
+
 
 class CancelListener:
+    """A queue partition's cancel channel, applied to the engine. A cancel for a request this worker is about to
+    start (its cancel mark was read before the message came) is remembered for `HEARD_FOR_S`, so the start can
+    apply it (`heard`): else it would be lost between the mark's read and the engine's submit."""
+
     def __init__(
         self,
         redis: Redis,
@@ -34,6 +42,19 @@ class CancelListener:
         self._engine = engine
         self._running = running  # ids of the requests this worker runs
         self._log = log
+        self._heard: dict[str, float] = {}  # request id -> loop time, for cancels of requests not running here
+
+    def heard(self, request_id: str) -> bool:
+        """Whether a cancel for `request_id` came in the last `HEARD_FOR_S` while it did not run here."""
+        return request_id in self._heard
+
+    def _apply(self, request_id: str) -> None:
+        if self._engine.cancel(request_id):
+            self._log.info("cancelled", request_id=request_id)
+            return
+        now = asyncio.get_running_loop().time()
+        self._heard = {rid: at for rid, at in self._heard.items() if now - at < HEARD_FOR_S}
+        self._heard[request_id] = now
 
     async def run(self, finished: asyncio.Event) -> None:
         while not finished.is_set():
@@ -47,11 +68,11 @@ class CancelListener:
                         message = await pubsub.get_sharded_message(ignore_subscribe_messages=True, timeout=1.0)
                     else:
                         message = await pubsub.get_message(timeout=1.0)
-                    if message is not None and self._engine.cancel(_text(message["data"])):
-                        self._log.info("cancelled", request_id=_text(message["data"]))
-            except RedisError as error:
+                    if message is not None:
+                        self._apply(_text(message["data"]))
+            except REDIS_FAILURES as error:
                 self._log.warning("cancel channel lost; resubscribing", error=redact(str(error)))
-                await pause(finished, 1.0)
+                await pause(finished, jittered(RESUBSCRIBE_S))
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()

@@ -11,16 +11,40 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, DotEnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from client.protocol import DEFAULT_PREFIX, LimitSettings
-from worker.engine import EngineConfig
 
-_ENGINE = EngineConfig()  # the engine's sizing defaults are the settings' defaults
+# No value here needs torch, so nothing here imports the engine (which imports torch): `python -m worker.health`
+# reads these settings every 15 s and must stay cheap. The engine sizing defaults below are `EngineConfig`'s;
+# tests/test_imports.py keeps the two equal.
 
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class KernelBuildSettings(BaseSettings):
+    """How the native CPU kernels are built (`worker.engine.kernels`): the machine's own conventions, not `LLMQ_*`
+    settings, read from the environment (no `.env`, no flags) whenever a kernel is first built."""
+
+    model_config = SettingsConfigDict(case_sensitive=True, extra="ignore")
+
+    cc: str | None = Field(default=None, validation_alias="CC", description="C compiler (else cc or gcc on PATH)")
+    xdg_cache_home: str | None = Field(
+        default=None,
+        validation_alias="XDG_CACHE_HOME",
+        description="built kernels go under <this>/llmq/kernels (else ~/.cache)",
+    )
+
+
+class _WorkerDotEnv(DotEnvSettingsSource):
+    """The .env file's lines for the worker: its `LLMQ_*` ones (`dotenv_filtering`), less the gateway's
+    `LLMQ_GATEWAY_*`, which a .env shared by both holds too."""
+
+    def _load_env_vars(self) -> dict[str, str | None]:
+        gateway = "LLMQ_GATEWAY_" if self.case_sensitive else "llmq_gateway_"
+        return {name: value for name, value in super()._load_env_vars().items() if not name.startswith(gateway)}
 
 
 class Settings(BaseSettings, LimitSettings):
@@ -30,11 +54,27 @@ class Settings(BaseSettings, LimitSettings):
     model_config = SettingsConfigDict(
         env_prefix="LLMQ_",
         env_file=".env",
+        # A .env file may hold other programs' lines (compose's REDIS_PASSWORD, the gateway's LLMQ_GATEWAY_*): only
+        # an LLMQ_* line that names no worker setting is refused, as a typo.
+        dotenv_filtering="match_prefix",
         extra="forbid",
         cli_kebab_case=True,
         cli_prog_name="llmq-worker",
         cli_implicit_flags=True,
     )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        assert isinstance(dotenv_settings, DotEnvSettingsSource)
+        dotenv = _WorkerDotEnv(settings_cls, env_file=dotenv_settings.env_file)
+        return init_settings, env_settings, dotenv, file_secret_settings
 
     # Redis and the queue
     redis_url: SecretStr = Field(
@@ -43,33 +83,38 @@ class Settings(BaseSettings, LimitSettings):
         "redis+sentinel://host[:port][,...]/<service>[/db] (TLS: rediss+cluster://, rediss+sentinel://)",
     )
     redis_ca_file: Path | None = Field(None, description="CA bundle for rediss:// (TLS)")
+    redis_wait_replicas: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="replicas that must acknowledge a claim and a terminal event (WAIT), so no failover loses it",
+    )
     queue: str = Field("default", description="queue name; keys are {<prefix>:<queue>}:*")
     prefix: str = Field(DEFAULT_PREFIX, description="key prefix, so deployments can share a Redis")
-    worker_id: str = Field(default_factory=default_worker_id, description="consumer name in the group")
+    queue_partitions: int = Field(
+        1, ge=1, le=1024, description="hash slots the queue is spread over (the same in every process of a deployment)"
+    )
+    worker_id: str = Field(
+        default_factory=default_worker_id, description="consumer name in the group (default: <host>-<pid>-<6 hex>)"
+    )
 
     # Model
     model: str = Field("smollm2", description="'smollm2' (offline default), a hub id, a folder or a .gguf file")
     device: str = Field("cpu", description="cpu, cuda, cuda:1, ...")
     dtype: str = Field("auto", description="auto (bfloat16 on CUDA, float32 on CPU), float16, bfloat16, float32")
     attn_implementation: str | None = Field(None, description="e.g. sdpa, flash_attention_2")
-    trust_remote_code: bool = Field(False, description="run code shipped with a hub model (off unless set)")
+    trust_remote_code: bool = Field(False, description="run code shipped with a hub model")
     model_cache_dir: Path = Field(Path.home() / ".cache" / "llmq" / "models", description="converted GGUF models")
     quantize: Literal["none", "int8"] = Field(
         "none", description="int8: int8 weights for batches of up to 32 rows (CPU float32 only; faster decode)"
     )
 
     # Engine sizing
-    kv_cache_tokens: int = Field(
-        _ENGINE.kv_cache_tokens, ge=16, description="KV cache size in tokens (all requests together)"
-    )
-    page_size: int = Field(_ENGINE.page_size, ge=4, description="tokens per KV cache block")
-    max_batch_tokens: int = Field(
-        _ENGINE.max_batch_tokens, ge=1, description="tokens per forward step (prefill chunk budget)"
-    )
-    max_running: int = Field(
-        _ENGINE.max_running, ge=1, description="requests decoding at once; the intake reads no more"
-    )
-    prefix_sharing: bool = Field(_ENGINE.prefix_sharing, description="share KV blocks of identical prompt prefixes")
+    kv_cache_tokens: int = Field(16384, ge=16, description="KV cache size in tokens (all requests together)")
+    page_size: int = Field(32, ge=4, description="tokens per KV cache block")
+    max_batch_tokens: int = Field(512, ge=1, description="tokens per forward step (prefill chunk budget)")
+    max_running: int = Field(32, ge=1, description="requests decoding at once; the intake reads no more")
+    prefix_sharing: bool = Field(False, description="share KV blocks of identical prompt prefixes")
     seed: int | None = Field(None, description="seed for sampling (per engine)")
 
     # Service
@@ -100,5 +145,5 @@ class Settings(BaseSettings, LimitSettings):
     reply_maxlen: int = Field(100_000, ge=1, description="each reply_to stream is trimmed to about this")
     metrics_port: int = Field(9400, ge=0, le=65535, description="Prometheus /metrics port; 0 turns it off")
     metrics_address: str = Field("0.0.0.0", description="address the metrics endpoint listens on")
-    log_format: Literal["console", "json"] = "console"
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["console", "json"] = Field("console", description="console for people, json for machines")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="lowest level logged")

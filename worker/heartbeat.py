@@ -58,7 +58,7 @@ class Heartbeat:
     async def _report_queue(self) -> None:
         """Queue gauges for the metrics, and pruning: heartbeats of workers gone for long leave the hash."""
         pipe = self._redis.pipeline(transaction=False)
-        queue_status_commands(pipe, self._keys)
+        queue_status_commands(pipe, self._keys, self._settings.queue_partitions)
         replies = await pipe.execute(raise_on_error=False)
         status = status_from_replies(self._keys.queue, replies, stale_after_s=_STALE_WORKER_S)
         self._metrics.set_queue(status)

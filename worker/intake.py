@@ -1,18 +1,21 @@
-"""Reading requests: the consumer group, COUNT = free engine slots, and the decision for each entry.
+"""Reading requests: the consumer group, COUNT = free engine slots, and what becomes of each entry.
 
-Two pure decisions, each with a unit test per branch:
-- `decide` (the entry as read): `Accepted`, `Rejected` (its reader gets an `error` event, then it is
-  acknowledged) or `DeadLetter` (unreadable: no request id to answer to);
-- `decide_ready` (an accepted request, once `Intake.prepare` read what Redis knows of it): `Run`, `Complete`
-  (earlier attempts produced everything) or `Refuse` (quarantined, or over the delivery limit).
+Admission is two pure decisions around one round trip, each with a unit test per branch:
+- `decide` (the entry as read): `Accepted`, an `Answer` (an `error` event to its reader, which acknowledges it)
+  or a `Letter` (unreadable: no request id to answer to);
+- `admit` (an accepted request, once `Intake.prepare` read what Redis knows of it: its `Ready`): `Start`, an
+  `Answer` (earlier attempts produced everything) or a `Letter` that answers too (quarantined, or over the
+  delivery limit).
+`Intake.admissions` runs the three steps for a batch; the worker only executes what comes out: start, answer or
+dead-letter.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 from redis.typing import KeyT, StreamIdT
@@ -21,19 +24,28 @@ from client.errors import InvalidRequest, MalformedEntry, UnsupportedVersion
 from client.protocol import (
     ENTRY_FIELD,
     NOTIFY_FIELD,
-    PROTOCOL_VERSION,
+    TRACE_FIELD,
+    DeadLetterBody,
+    DoneEvent,
     ErrorCode,
+    ErrorEvent,
     GenerateRequest,
     Lane,
     RequestLimits,
+    Timings,
     TokensEvent,
+    Usage,
     decode_event,
     decode_request,
+    decode_trace,
+    encode,
     is_valid_name,
     ms_now,
 )
+from client.replication import add_wait, check_acknowledged, pinned_pipeline
 from client.store import CONSUMER_GROUP, Fence, Keys, Scripts
 from worker.leases import Claimed
+from worker.publisher import Target
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,24 +54,50 @@ class Accepted:
     request: GenerateRequest
     notify: str | None = None  # the submitting client, told of every write (`NOTIFY_FIELD`)
     lane: Lane = "default"  # whose stream the entry is in
+    partition: int = 0  # the queue partition it was read from: its events and acknowledgement go there
+    trace: tuple[tuple[str, str], ...] = ()  # the submitter's trace context (`TRACE_FIELD`), for `worker.tracing`
 
 
 @dataclass(frozen=True, slots=True)
-class Rejected:
-    entry_id: bytes
-    request_id: str
-    code: ErrorCode
-    message: str
-    result_ttl: int = 3600
-    reply_to: str | None = None  # known when the request itself could be read
-    notify: str | None = None
-    lane: Lane = "default"
+class Answer:
+    """Answer the request's reader without running it: its terminal `event` after `seq` tokens (None: only
+    acknowledge, an earlier attempt having published its end), which acknowledges the entry. `rejected` says why
+    it never ran (logged); None: it is finished, nothing to say."""
+
+    target: Target
+    event: DoneEvent | ErrorEvent | None
+    seq: int = 0
+    output: tuple[str, list[int]] = ("", [])  # the whole output, for `reply_to`
+    rejected: str | None = None
+
+    @property
+    def entry_id(self) -> bytes:
+        return self.target.entry_id
 
     @classmethod
-    def answering(cls, accepted: Accepted, code: ErrorCode, message: str) -> Rejected:
+    def error(
+        cls,
+        entry_id: bytes,
+        request_id: str,
+        code: ErrorCode,
+        message: str,
+        result_ttl: int = 3600,
+        reply_to: str | None = None,  # known when the request itself could be read
+        notify: str | None = None,
+        lane: Lane = "default",
+        partition: int = 0,
+    ) -> Answer:
+        """An `error` event for a request that is not run, unfenced (no attempt of it started)."""
+        target = Target(
+            request_id, result_ttl, entry_id=entry_id, reply_to=reply_to, notify=notify, lane=lane, partition=partition
+        )
+        return cls(target, ErrorEvent(code=code, message=message), rejected=message)
+
+    @classmethod
+    def rejecting(cls, accepted: Accepted, code: ErrorCode, message: str) -> Answer:
         """A readable request's refusal, which goes where its events would have gone."""
         request = accepted.request
-        return cls(
+        return cls.error(
             accepted.entry_id,
             request.id,
             code,
@@ -68,18 +106,23 @@ class Rejected:
             request.reply_to,
             accepted.notify,
             accepted.lane,
+            accepted.partition,
         )
 
 
 @dataclass(frozen=True, slots=True)
-class DeadLetter:
+class Letter:
+    """Copy the entry to the dead letters. With an `answer` (a request refused for good), its reader is answered
+    too, and that answer acknowledges the entry; without one, the dead letter does."""
+
     entry_id: bytes
     raw: bytes
     reason: str
     lane: Lane = "default"
+    answer: Answer | None = None
 
 
-Decision = Accepted | Rejected | DeadLetter
+Decision = Accepted | Answer | Letter  # `decide`: an entry as read
 
 
 def decide(
@@ -89,30 +132,32 @@ def decide(
     now_ms: int | None = None,
     check_deadline: bool = True,
     lane: Lane = "default",
+    partition: int = 0,
 ) -> Decision:
     """What to do with one stream entry (pure: no I/O, so every branch is unit-tested). A claimed entry skips
     the deadline: it was started in time, and an earlier attempt may have published part of its answer."""
     raw = fields.get(ENTRY_FIELD)
     if raw is None:
-        return DeadLetter(entry_id, b"", f"entry has no field {ENTRY_FIELD.decode()!r}", lane)
+        return Letter(entry_id, b"", f"entry has no field {ENTRY_FIELD.decode()!r}", lane)
     notify = _client_id(fields.get(NOTIFY_FIELD))
     try:
         request = decode_request(raw)
     except (UnsupportedVersion, InvalidRequest) as error:
         if error.request_id is None:
-            return DeadLetter(entry_id, raw, str(error), lane)
+            return Letter(entry_id, raw, str(error), lane)
         code = ErrorCode.UNSUPPORTED_VERSION if isinstance(error, UnsupportedVersion) else ErrorCode.INVALID_REQUEST
-        return Rejected(entry_id, error.request_id, code, str(error), notify=notify, lane=lane)
+        return Answer.error(entry_id, error.request_id, code, str(error), notify=notify, lane=lane, partition=partition)
     except MalformedEntry as error:
-        return DeadLetter(entry_id, raw, str(error), lane)
-    accepted = Accepted(entry_id, request, notify, lane)
+        return Letter(entry_id, raw, str(error), lane)
+    trace = tuple(decode_trace(fields.get(TRACE_FIELD)).items())
+    accepted = Accepted(entry_id, request, notify, lane, partition, trace)
     try:
         request.check_limits(limits)
     except InvalidRequest as error:
-        return Rejected.answering(accepted, ErrorCode.INVALID_REQUEST, str(error))
+        return Answer.rejecting(accepted, ErrorCode.INVALID_REQUEST, str(error))
     expired = request.deadline is not None and request.deadline <= (now_ms if now_ms is not None else ms_now())
     if check_deadline and expired:
-        return Rejected.answering(accepted, ErrorCode.EXPIRED, "the deadline passed before generation started")
+        return Answer.rejecting(accepted, ErrorCode.EXPIRED, "the deadline passed before generation started")
     return accepted
 
 
@@ -141,60 +186,108 @@ class Ready:
 
 
 @dataclass(frozen=True, slots=True)
-class Run:
+class Start:
     """Generate it (`suspect`: it was implicated in an engine failure; `replaces_own`: this worker still runs an
     older attempt of it, its lease having lapsed, which stops for this one)."""
 
+    ready: Ready
     suspect: bool = False
     replaces_own: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Complete:
-    """Nothing is left to generate: publish `done` with `finish_reason`, or only acknowledge (None: an earlier
-    attempt published its end and died before acknowledging)."""
-
-    finish_reason: str | None
+Admission = Start | Answer | Letter  # `admit`: what the worker does with an entry
 
 
 @dataclass(frozen=True, slots=True)
-class Refuse:
-    """Never run it again: an `error` event with `code`, and a dead letter with `reason`."""
+class Policy:
+    """The limits admission applies (from the settings, and the engine's end-of-sequence tokens)."""
 
-    code: ErrorCode
-    reason: str
+    eos_token_ids: tuple[int, ...]
+    max_deliveries: int
+    max_engine_failures: int
+    max_hand_backs: int = 10  # hand-backs forgiven before they count as deliveries (`Intake.prepare`)
 
 
-ReadyDecision = Run | Complete | Refuse
+def target_of(ready: Ready) -> Target:
+    """Where a ready request's events go, fenced by its attempt."""
+    request = ready.accepted.request
+    accepted = ready.accepted
+    return Target(
+        request.id,
+        request.result_ttl,
+        ready.attempt,
+        accepted.entry_id,
+        request.reply_to,
+        accepted.notify,
+        accepted.lane,
+        accepted.partition,
+    )
 
 
-def decide_ready(
+def done_event(
+    request: GenerateRequest,
     ready: Ready,
+    reason: str,
     *,
-    eos_token_ids: tuple[int, ...],
-    max_deliveries: int,
-    max_engine_failures: int,
-    running_here: bool = False,
-) -> ReadyDecision:
+    prompt_tokens: int,
+    completion_tokens: int,
+    started_ms: int | None = None,
+    first_ms: int | None = None,
+    now_ms: int | None = None,
+) -> DoneEvent:
+    """The `done` event. Timings describe the whole request: after a resume, the start and the first token are
+    the first attempt's."""
+    submitted = request.submitted
+    started_ms = ready.first_started_ms or started_ms
+    first_ms = ready.first_token_ms or first_ms
+    timings = Timings(
+        queue_ms=None if started_ms is None else started_ms - submitted,
+        ttft_ms=None if first_ms is None else first_ms - submitted,
+        total_ms=(ms_now() if now_ms is None else now_ms) - submitted,
+    )
+    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+    return DoneEvent(finish_reason=reason, usage=usage, timings=timings)  # type: ignore[arg-type]
+
+
+def admit(ready: Ready, policy: Policy, *, running_here: bool = False, now_ms: int | None = None) -> Admission:
     """What to do with a request once Redis said what it knows of it (pure, so every branch is unit-tested)."""
     request, delivered = ready.accepted.request, ready.delivered_ids
+    output = (ready.delivered_text, delivered)
     if ready.finished:
-        return Complete(None)
-    if ready.engine_failures >= max_engine_failures:
-        return Refuse(
+        return Answer(target_of(ready), None, seq=len(delivered), output=output)
+    if ready.engine_failures >= policy.max_engine_failures:
+        return _refuse(
+            ready,
             ErrorCode.POISON_REQUEST,
             f"quarantined: implicated in {ready.engine_failures} engine failures "
-            f"(max_engine_failures {max_engine_failures})",
+            f"(max_engine_failures {policy.max_engine_failures})",
         )
-    if ready.deliveries > max_deliveries:
-        return Refuse(ErrorCode.DELIVERY_LIMIT, f"claimed {ready.deliveries} times (max_deliveries {max_deliveries})")
+    if ready.deliveries > policy.max_deliveries:
+        reason = f"claimed {ready.deliveries} times (max_deliveries {policy.max_deliveries})"
+        return _refuse(ready, ErrorCode.DELIVERY_LIMIT, reason)
+    finish_reason = None
     if ready.cancelled:
-        return Complete("cancelled")
-    if delivered and not request.params.ignore_eos and delivered[-1] in eos_token_ids:
-        return Complete("eos")
-    if len(delivered) >= request.params.max_new_tokens:
-        return Complete("length")
-    return Run(suspect=ready.engine_failures > 0, replaces_own=running_here)
+        finish_reason = "cancelled"
+    elif delivered and not request.params.ignore_eos and delivered[-1] in policy.eos_token_ids:
+        finish_reason = "eos"
+    elif len(delivered) >= request.params.max_new_tokens:
+        finish_reason = "length"
+    if finish_reason is not None:
+        done = done_event(
+            request, ready, finish_reason, prompt_tokens=0, completion_tokens=len(delivered), now_ms=now_ms
+        )
+        return Answer(target_of(ready), done, seq=len(delivered), output=output)
+    return Start(ready, suspect=ready.engine_failures > 0, replaces_own=running_here)
+
+
+def _refuse(ready: Ready, code: ErrorCode, reason: str) -> Letter:
+    """Never run it again: a dead letter with `reason`, and an `error` event with `code` to its reader."""
+    error = ErrorEvent(code=code, message=f"the request was refused: {reason}")
+    answer = Answer(
+        target_of(ready), error, seq=len(ready.delivered_ids), output=(ready.delivered_text, ready.delivered_ids)
+    )
+    accepted = ready.accepted
+    return Letter(accepted.entry_id, encode(accepted.request), reason, accepted.lane, answer=answer)
 
 
 class Intake:
@@ -208,9 +301,11 @@ class Intake:
         limits: RequestLimits,
         dead_maxlen: int,
         scripts: Scripts | None = None,
+        wait_replicas: int = 0,
     ) -> None:
         self._redis = redis
         self._keys = keys
+        self._wait_replicas = wait_replicas
         self._consumer = consumer
         self._limits = limits
         self._dead_maxlen = dead_maxlen
@@ -228,19 +323,18 @@ class Intake:
     async def read(self, free: int, steps: list[tuple[Lane, int]], block_ms: int | None) -> list[Decision]:
         """New entries, at most `free` (the engine's free slots), taken lane by lane as `steps` (lane, wanted)
         say; when there are none, waits at most `block_ms` (None: not at all) for the next entry of any lane
-        and returns none."""
-        lanes = list(self._keys.lanes)
-        args: list[Any] = [CONSUMER_GROUP, self._consumer, free]
-        for lane, wanted in steps:
-            args += [lanes.index(lane) + 1, wanted]
-        read, last = await self._scripts.read(keys=list(self._keys.lanes.values()), args=args)
-        if read:
+        and returns none. A read that will not wait names only the lanes of its steps, so the script looks at no
+        other stream."""
+        asked = {lane for lane, _ in steps}
+        lanes = [lane for lane in self._keys.lanes if block_ms is not None or lane in asked]
+        reply = await self._scripts.read.run(self._keys, self._consumer, free, steps, lanes)
+        if reply.entries:
             return [
-                decide(entry_id, _fields(flat), self._limits, lane=lanes[int(index) - 1])
-                for index, entry_id, flat in read
+                decide(entry.entry_id, entry.fields, self._limits, lane=entry.lane, partition=self._keys.partition)
+                for entry in reply.entries
             ]
         if block_ms is not None:
-            streams: dict[KeyT, StreamIdT] = dict(zip(self._keys.lanes.values(), last, strict=True))
+            streams: dict[KeyT, StreamIdT] = {stream: newest for stream, newest in reply.last.items()}
             await self._redis.xread(streams, count=1, block=block_ms)  # only a wake-up: the next call reads
         return []
 
@@ -248,12 +342,37 @@ class Intake:
         """Claimed entries of one lane go through the same decisions but the deadline (they started in time, and
         may have published part of their answer: a preempted or handed-back request resumes); also returns each
         entry's delivery count."""
-        decisions = [decide(c.entry_id, c.fields, self._limits, check_deadline=False, lane=lane) for c in claimed]
+        partition = self._keys.partition
+        decisions = [
+            decide(c.entry_id, c.fields, self._limits, check_deadline=False, lane=lane, partition=partition)
+            for c in claimed
+        ]
         return decisions, {c.entry_id: c.deliveries for c in claimed}
+
+    async def admissions(
+        self,
+        decisions: list[Decision],
+        policy: Policy,
+        deliveries: dict[bytes, int] | None = None,
+        running_here: Callable[[str], bool] = lambda request_id: False,
+    ) -> AsyncGenerator[Admission, None]:
+        """What to do with each entry of a batch, in the order to do it: the answers and dead letters `decide` gave,
+        then (after one round trip, `prepare`) the requests Redis refused, then `admit`'s decision for each other
+        one, made only when the caller asks for it, so it sees the requests the caller started meanwhile
+        (`running_here`: whether this worker runs a request already)."""
+        for decision in decisions:
+            if not isinstance(decision, Accepted):
+                yield decision
+        accepted = [d for d in decisions if isinstance(d, Accepted)]
+        ready, refused = await self.prepare(accepted, deliveries, policy.max_hand_backs)
+        for answer in refused:
+            yield answer
+        for item in ready:
+            yield admit(item, policy, running_here=running_here(item.accepted.request.id))
 
     async def prepare(
         self, accepted: list[Accepted], deliveries: dict[bytes, int] | None = None, forgiven_hand_backs: int = 10
-    ) -> tuple[list[Ready], list[Rejected]]:
+    ) -> tuple[list[Ready], list[Answer]]:
         """One round trip for a batch: raise each request's attempt (fencing out earlier owners), note the first
         start, read its cancel mark and whatever earlier attempts published (raised first, so nothing slips in
         between). A request whose keys Redis refuses (say, someone wrote a string where its fence hash goes) comes
@@ -262,7 +381,11 @@ class Intake:
         if not accepted:
             return [], []
         now = ms_now()
-        async with self._redis.pipeline(transaction=False) as pipe:
+        # With a WAIT the batch goes to its slot's node on one connection (`pinned_pipeline`); else redis-py's own
+        # pipeline, which follows a slot that moves.
+        key = self._keys.fence(accepted[0].request.id)
+        pipeline = pinned_pipeline(self._redis, key) if self._wait_replicas else self._redis.pipeline(transaction=False)
+        async with pipeline as pipe:
             for item in accepted:
                 fence = self._keys.fence(item.request.id)
                 pipe.hincrby(fence, Fence.ATTEMPT, 1)
@@ -271,14 +394,18 @@ class Intake:
                 pipe.exists(self._keys.cancel(item.request.id))
                 pipe.xrange(self._keys.result(item.request.id))
                 pipe.hmget(fence, Fence.HANDED_BACK, Fence.ENGINE_FAILURES, Fence.STARTED, Fence.PREEMPTED)
+            if self._wait_replicas:  # the raised attempts fence out earlier owners only once a failover keeps them
+                add_wait(pipe, self._wait_replicas)
             replies = await pipe.execute(raise_on_error=False)
+        if self._wait_replicas:
+            check_acknowledged(replies.pop(), self._wait_replicas)
         ready, refused = [], []
         for index, item in enumerate(accepted):
             answers = replies[6 * index : 6 * index + 6]
             failure = next((a for a in answers if isinstance(a, Exception)), None)
             if failure is not None:
                 message = f"Redis refused this request's keys: {failure}"
-                refused.append(Rejected.answering(item, ErrorCode.INTERNAL, message))
+                refused.append(Answer.rejecting(item, ErrorCode.INTERNAL, message))
                 continue
             attempt, _, _, cancelled, events, (handed_back, failures, started, preempted) = answers
             ids, text, finished, first_token_ms = _earlier_output(events)
@@ -301,22 +428,17 @@ class Intake:
             )
         return ready, refused
 
-    async def dead_letter(self, letter: DeadLetter, *, acknowledge: bool = True) -> None:
-        """Copies an entry to `{<queue>}:dead` (trimmed) and, unless told otherwise, takes it off the request
-        stream (a request with a reader is acknowledged with its `error` event instead)."""
-        body = {"v": PROTOCOL_VERSION, "entry_id": letter.entry_id.decode(), "reason": letter.reason, "raw": letter.raw}
-        entry: dict[Any, Any] = {ENTRY_FIELD: msgpack.packb(body)}
+    async def dead_letter(self, letter: Letter) -> None:
+        """Copies an entry to `{<queue>}:dead` (trimmed) and, unless the letter answers its reader, takes it off
+        the request stream (a request with a reader is acknowledged with its `error` event instead)."""
+        body = DeadLetterBody(entry_id=letter.entry_id.decode(), reason=letter.reason, raw=letter.raw)
+        entry: dict[Any, Any] = {ENTRY_FIELD: encode(body)}
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.xadd(self._keys.dead, entry, maxlen=self._dead_maxlen, approximate=True)
-            if acknowledge:
+            if letter.answer is None:
                 pipe.xack(self._keys.lane(letter.lane), CONSUMER_GROUP, letter.entry_id)
                 pipe.xdel(self._keys.lane(letter.lane), letter.entry_id)
             await pipe.execute()
-
-
-def _fields(flat: list[bytes]) -> dict[bytes, bytes]:
-    """An entry's fields as a script returns them: a flat [name, value, ...] list."""
-    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 def _earlier_output(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> tuple[list[int], str, bool, int | None]:

@@ -14,9 +14,8 @@ from redis.asyncio import Redis
 from redis.typing import StreamIdT
 
 from client.protocol import Lane
-from client.store import CONSUMER_GROUP, HAND_BACK_DRAIN, Keys, Scripts
-
-_HANDED_BACK_IDLE_MS = 365 * 24 * 3600 * 1000  # idle "for a year": any worker's next XAUTOCLAIM takes it
+from client.scripts import CONSUMER_GROUP, HandBackReason, Scripts
+from client.store import Keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +39,7 @@ class Leases:
     ) -> None:
         self._redis = redis
         self._keys = keys
+        self._lane: Lane = lane
         self._stream = keys.lane(lane)
         self._consumer = consumer
         self._lease_ms = int(lease_timeout_s * 1000)
@@ -50,8 +50,7 @@ class Leases:
         """Resets the idle time of the entries still ours; returns those we lost."""
         if not entry_ids:
             return set()
-        lost = await self._scripts.renew(keys=[self._stream], args=[CONSUMER_GROUP, self._consumer, *entry_ids])
-        return {_bytes(entry_id) for entry_id in lost}
+        return await self._scripts.renew.run(self._keys, self._lane, self._consumer, entry_ids)
 
     async def claim(self, count: int) -> list[Claimed]:
         """Takes up to `count` entries idle past the lease (their worker died), following XAUTOCLAIM's cursor."""
@@ -86,14 +85,12 @@ class Leases:
             for (entry_id, fields), info in zip(entries, pending, strict=True)
         ]
 
-    async def hand_back(self, entries: list[tuple[bytes, str]], reason: int = HAND_BACK_DRAIN) -> int:
+    async def hand_back(self, entries: list[tuple[bytes, str]], reason: HandBackReason = HandBackReason.DRAIN) -> int:
         """Makes the (entry id, request id) pairs we still own claimable at once: at shutdown, after an engine
-        failure that implicated them, or to preempt them (`HAND_BACK_*`). Returns how many were ours."""
+        failure that implicated them, or to preempt them (`HandBackReason`). Returns how many were ours."""
         if not entries:
             return 0
-        keys = [self._stream, *(self._keys.fence(request_id) for _, request_id in entries)]
-        args = [CONSUMER_GROUP, self._consumer, _HANDED_BACK_IDLE_MS, reason, *(entry_id for entry_id, _ in entries)]
-        return int(await self._scripts.hand_back(keys=keys, args=args))
+        return await self._scripts.hand_back.run(self._keys, self._lane, self._consumer, entries, reason)
 
 
 def _bytes(value: bytes | str) -> bytes:

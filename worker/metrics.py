@@ -1,27 +1,42 @@
 """Prometheus metrics of one worker, named in vLLM's style (`llmq:` for `vllm:`), labelled by queue and model
-only (nothing unbounded: no request ids).
+only (nothing unbounded: no request ids). `docs/operations/metrics.md` lists each with its meaning.
 
 Engine gauges and counters are read from `Engine.stats()` at scrape time (a custom collector), so they are
-never stale; latencies are observed as requests progress; batch fill is observed by the engine thread after
-every step; queue depth, pending and lag are refreshed with each heartbeat.
+never stale; latencies are observed as requests progress; batch fill and tokens per step are observed by the
+engine thread after every step; queue depth, pending and lag are refreshed with each heartbeat. The registry also
+carries prometheus_client's process, platform and GC collectors (`process_*`, `python_*`), and no `_created`
+series.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from client.store import QueueStatus
+from serverlog.metrics import server_registry
 from worker.engine.interface import GenerationEngine
+from worker.engine.types import Step
 from worker.publisher import PublisherStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 _FILL_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# vLLM's request_latency_buckets (prefill, decode and inference time per request)
+_REQUEST_TIME_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
+)  # fmt: skip
+# vLLM's build_1_2_5_buckets, here up to 100k tokens (vLLM stops at max_model_len, which a worker's metrics
+# do not know before the model loads)
+_REQUEST_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5) if m * 10**e <= 100_000)
+# vLLM's iteration_tokens_total buckets (tokens per engine step)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class _EngineCollector(Collector):
@@ -54,8 +69,19 @@ class _EngineCollector(Collector):
             "KV blocks reserved for admitted requests' worst case.",
             stats.kv_blocks_reserved,
         )
-        yield counter("llmq:prompt_tokens", "Prefill tokens processed.", stats.prefill_tokens)
-        yield counter("llmq:generation_tokens", "Decode tokens processed.", stats.decode_tokens)
+        yield counter("llmq:prompt_tokens", "Prompt tokens run through a forward pass.", stats.prefill_tokens)
+        yield counter(
+            "llmq:generation_tokens",
+            "Tokens generated, every one (a request's first comes from its prefill step).",
+            stats.generation_tokens,
+        )
+        if stats.prefix_cache_queries is not None:  # only where prefix sharing is on: no made-up zeros
+            yield counter(
+                "llmq:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries
+            )
+            yield counter(
+                "llmq:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits or 0
+            )
         yield counter("llmq:engine_steps", "Forward steps run.", stats.steps)
         yield counter("llmq:engine_restarts", "Times the engine thread died and was restarted.", stats.restarts)
         finished = CounterMetricFamily(
@@ -66,6 +92,16 @@ class _EngineCollector(Collector):
         for reason, count in sorted(stats.requests_finished.items()):
             finished.add_metric([*values, reason], count)
         yield finished
+        if stats.paths:
+            paths = GaugeMetricFamily(
+                "llmq:engine_path",
+                "1 for the implementation that runs each part of an engine step (kernel: compiled or fallback for "
+                "the native CPU kernels).",
+                labels=[*names, "component", "kernel"],
+            )
+            for component, kernel in sorted(stats.paths.items()):
+                paths.add_metric([*values, component, kernel], 1)
+            yield paths
 
 
 class _PublisherCollector(Collector):
@@ -93,7 +129,7 @@ class Metrics:
     """A worker's metrics in a registry of its own (several workers can share a process in tests)."""
 
     def __init__(self, engine: GenerationEngine, queue: str, model: str) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = server_registry()
         labels = {"queue": queue, "model_name": model}
         names = list(labels)
         self._labels = labels
@@ -119,8 +155,32 @@ class Metrics:
         self.queue_time = histogram(
             "llmq:request_queue_time_seconds", "From submission to the start of generation.", _LATENCY_BUCKETS
         )
+        self.request_prompt_tokens = histogram(
+            "llmq:request_prompt_tokens", "Prompt tokens of each finished request.", _REQUEST_TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "llmq:request_generation_tokens", "Tokens generated by each finished request.", _REQUEST_TOKEN_BUCKETS
+        )
+        self.request_prefill_time = histogram(
+            "llmq:request_prefill_time_seconds",
+            "From a request's admission to the engine to its first token.",
+            _REQUEST_TIME_BUCKETS,
+        )
+        self.request_decode_time = histogram(
+            "llmq:request_decode_time_seconds", "From a request's first token to its finish.", _REQUEST_TIME_BUCKETS
+        )
+        self.request_inference_time = histogram(
+            "llmq:request_inference_time_seconds",
+            "From a request's admission to the engine to its finish (prefill + decode).",
+            _REQUEST_TIME_BUCKETS,
+        )
         self.batch_fill = histogram(
             "llmq:batch_fill_ratio", "Tokens per engine step over max_batch_tokens.", _FILL_BUCKETS
+        )
+        self.iteration_tokens = histogram(
+            "llmq:iteration_tokens_total",
+            "Tokens per engine step: the prompt tokens it ran plus the tokens it generated (vLLM's meaning).",
+            _ITERATION_TOKEN_BUCKETS,
         )
         self.claims = counter("llmq:claims", "Requests claimed from workers that died or handed them back.")
         self.dead_letters = counter("llmq:dead_letters", "Entries moved to the dead-letter stream.")
@@ -140,7 +200,8 @@ class Metrics:
             "llmq:backlog_tokens", "Prompt + max_new_tokens of the lane's requests (estimated from a sample)."
         )
         self.backlog_seconds = per_lane(
-            "llmq:backlog_seconds", "The lane's backlog tokens over the fleet's measured tokens/s (-1: rate unknown)."
+            "llmq:backlog_seconds",
+            "The lane's backlog tokens over the fleet's measured tokens/s (0: no backlog; +Inf: backlog, no rate).",
         )
         self.preemptions = Counter(
             "llmq:preemptions",
@@ -150,7 +211,12 @@ class Metrics:
         )
         self.registry.register(_EngineCollector(engine, labels))
         max_batch_tokens = engine.stats().max_batch_tokens
-        engine.observe_steps(lambda tokens: self.batch_fill.observe(tokens / max_batch_tokens))
+
+        def observe_step(step: Step) -> None:
+            self.batch_fill.observe(step.tokens / max_batch_tokens)
+            self.iteration_tokens.observe(step.iteration_tokens)
+
+        engine.observe_steps(observe_step)
 
     def watch_publisher(self, stats: PublisherStats) -> None:
         self.registry.register(_PublisherCollector(stats, self._labels))
@@ -171,5 +237,12 @@ class Metrics:
             self.oldest_pending.labels(**labels).set(lane.oldest_pending_age_s or 0)
             self.backlog_requests.labels(**labels).set(lane.depth)
             self.backlog_tokens.labels(**labels).set(lane.backlog_tokens)
-            seconds = lane.backlog_seconds
-            self.backlog_seconds.labels(**labels).set(-1 if seconds is None else seconds)
+            self.backlog_seconds.labels(**labels).set(backlog_seconds(lane.depth, lane.backlog_seconds))
+
+
+def backlog_seconds(depth: int, seconds: float | None) -> float:
+    """The gauge's value: the estimate where the fleet's rate is known, else 0 for an empty lane and +Inf for one
+    with requests that nothing is known to drain (so an alert on `> threshold` fires)."""
+    if seconds is not None:
+        return seconds
+    return 0.0 if depth == 0 else math.inf

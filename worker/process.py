@@ -11,6 +11,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from client.connection import check_async, open_async
+from client.errors import RedisUnavailable
 from worker.adapter import engine_config
 from worker.config import Settings
 from worker.engine import Engine, LoadOptions, load_model
@@ -26,10 +27,6 @@ def connect(settings: Settings) -> Redis:
     ca_file = None if settings.redis_ca_file is None else str(settings.redis_ca_file)
     client: Redis = open_async(settings.redis_url.get_secret_value(), ssl_ca_certs=ca_file, **kwargs)
     return client
-
-
-class RedisUnavailable(RuntimeError):
-    """Redis refused or could not be reached at start-up: wrong URL, password, ACL or TLS settings."""
 
 
 async def serve(settings: Settings, *, handle_signals: bool = True) -> None:

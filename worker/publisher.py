@@ -21,17 +21,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
+from client.backoff import Backoff
+from client.failover import REDIS_FAILURES
 from client.protocol import Completion, DoneEvent, ErrorEvent, Lane, TokensEvent, encode
-from client.store import CONSUMER_GROUP, WAKE_MAXLEN, WAKE_TTL_S, Keys, Scripts
+from client.scripts import PublishItem, PublishOutcome, Scripts
+from client.store import Keys
 
 # Anything Redis says goes back in the queue: an outage, a restart still loading, and also an answer like
 # OOM under `noeviction` or READONLY after a failover, which clear once an operator acts.
-_RETRYABLE = (RedisError, OSError)
 _BACKOFF_S = (0.05, 2.0)
 
 
@@ -47,6 +47,7 @@ class Target:
     reply_to: str | None = None  # also append the final result to this `reply_to` stream
     notify: str | None = None  # the client id whose wake stream is told of every write
     lane: Lane = "default"  # whose request stream `entry_id` is in
+    partition: int = 0  # the queue partition it was read from, whose keys its events go to
 
 
 @dataclass(slots=True)
@@ -57,6 +58,7 @@ class _Pending:
     size: int
     final: bool = False  # acknowledges `target.entry_id` after the event
     completion: bytes = b""  # for `target.reply_to`, appended with the event
+    on_written: Callable[[PublishOutcome | str], None] | None = None  # told the script's answer for this event
 
 
 @dataclass
@@ -65,6 +67,7 @@ class PublisherStats:
     events: int = 0
     failures: int = 0
     fenced: int = 0
+    behind: int = 0  # requests whose stream lost its last events (a failover): handed back to resume from it
     refused: int = 0  # requests whose events Redis refused (`on_failed`)
     tokens: int = 0  # token ids queued for publishing: what this worker generated
 
@@ -74,14 +77,18 @@ class Publisher:
         self,
         redis: Redis,
         keys: Keys,
+        partitions: int = 1,
         on_error: Callable[[Exception], None] | None = None,
         on_fenced: Callable[[str, int], None] | None = None,
         on_failed: Callable[[Target, str], None] | None = None,
+        on_behind: Callable[[Target], None] | None = None,
         scripts: Scripts | None = None,
         reply_maxlen: int = 100_000,
+        wait_replicas: int = 0,
     ) -> None:
         self._redis = redis
-        self._keys = keys
+        self._wait_replicas = wait_replicas
+        self._partitions = keys.partitioned(partitions)  # each request's events go to its partition's keys
         self._reply_maxlen = reply_maxlen
         self._scripts = scripts or Scripts.register(redis)
         self._queue: list[_Pending] = []
@@ -92,6 +99,9 @@ class Publisher:
         self._on_error = on_error
         self._on_fenced = on_fenced
         self._on_failed = on_failed
+        self._on_behind = on_behind
+        self._backoff: dict[int, Backoff] = {}  # partition -> its retries' delays, while its calls fail
+        self._retry_at: dict[int, float] = {}  # partition -> loop time before which its events wait
         self.stats = PublisherStats()
 
     @property
@@ -109,15 +119,19 @@ class Publisher:
         event: DoneEvent | ErrorEvent | None,
         seq: int = 0,
         output: tuple[str, list[int]] = ("", []),
+        on_written: Callable[[PublishOutcome | str], None] | None = None,
     ) -> None:
         """The request's terminal event (after `seq` tokens), then its acknowledgement; no event: only the ack.
-        With `target.reply_to`, the whole `output` (text, token ids) goes to that stream in the same write."""
+        With `target.reply_to`, the whole `output` (text, token ids) goes to that stream in the same write.
+        `on_written` hears the script's answer for it once a flush has carried it (not if it is dropped unsent:
+        its request refused or behind, or the worker stopping first)."""
         completion = b""
         if target.reply_to is not None and event is not None:
             text, ids = output
             done, error = (event, None) if isinstance(event, DoneEvent) else (None, event)
             completion = encode(Completion(id=target.request_id, text=text, ids=ids, done=done, error=error))
-        self._put(_Pending(target, b"" if event is None else encode(event), seq, 1, final=True, completion=completion))
+        raw = b"" if event is None else encode(event)
+        self._put(_Pending(target, raw, seq, 1, final=True, completion=completion, on_written=on_written))
 
     def _put(self, pending: _Pending) -> None:
         self._queue.append(pending)
@@ -134,67 +148,114 @@ class Publisher:
         await self._idle.wait()
 
     async def run(self) -> None:
-        """The flusher: one script call per batch of queued events, in order, until `stop`."""
-        backoff = _BACKOFF_S[0]
+        """The flusher: one script call per partition a batch of queued events touches, in order, until `stop`. A
+        partition whose call failed is retried with its own backoff; the others' events go on meanwhile."""
+        loop = asyncio.get_running_loop()
         while not self._stopping:
             await self._wakeup.wait()
             self._wakeup.clear()
             if self._stopping:
                 return
             await asyncio.sleep(0)  # let the rest of this engine step's deltas land in the batch
-            batch = list(self._queue)  # events queued while this batch is in flight go in the next one
+            now = loop.time()
+            # events queued while this batch is in flight go in the next one; a partition in its backoff waits
+            batch = [item for item in self._queue if self._retry_at.get(item.target.partition, 0.0) <= now]
             if not batch:
-                self._idle.set()
+                if not self._queue:
+                    self._idle.set()
                 continue
-            try:
-                written = await self._send(batch)
-            except _RETRYABLE as error:
+            written, failed = await self._send(batch)
+            if written:  # the partitions that answered: their events leave the queue, whatever the others do
+                sent = [batch[index] for index in written]
+                gone = {id(item) for item in sent}
+                self._queue = [item for item in self._queue if id(item) not in gone]
+                for partition in {item.target.partition for item in sent}:
+                    self._backoff.pop(partition, None)
+                    self._retry_at.pop(partition, None)
+                self._report(sent, list(written.values()))
+            for partition, error in failed.items():
                 self.stats.failures += 1
                 if self._on_error is not None:
                     self._on_error(error)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, _BACKOFF_S[1])
-                self._wakeup.set()  # the batch is still at the head of the queue: retry it
-                continue
-            backoff = _BACKOFF_S[0]
-            del self._queue[: len(batch)]
-            self._report(batch, written)
+                backoff = self._backoff.setdefault(partition, Backoff(*_BACKOFF_S))
+                delay = backoff.next()
+                self._retry_at[partition] = loop.time() + delay
+                loop.call_later(delay, self._wakeup.set)  # its events are still queued, in order: retried then
             if self._queue:
                 self._wakeup.set()
             else:
                 self._idle.set()
 
-    async def _send(self, batch: list[_Pending]) -> list[int | bytes]:
-        keys: list[str] = []
-        args: list[Any] = [CONSUMER_GROUP, self._reply_maxlen, WAKE_MAXLEN, WAKE_TTL_S]
-        for item in batch:
-            target = item.target
-            result = self._keys.result(target.request_id)
-            reply = self._keys.reply(target.reply_to) if target.reply_to is not None else result
-            wake = self._keys.wake(target.notify) if target.notify is not None else result
-            keys += [self._keys.lane(target.lane), result, self._keys.fence(target.request_id), reply, wake]
-            attempt = "" if target.attempt is None else target.attempt
-            ack = target.entry_id if item.final else b""
-            args += [attempt, target.ttl_s, item.event, item.seq, item.size, ack, item.completion]
-        return await self._scripts.publish(keys=keys, args=args)
+    async def _send(self, batch: list[_Pending]) -> tuple[dict[int, PublishOutcome | str], dict[int, Exception]]:
+        """One script call per partition the batch touches (a script's keys must share a slot), side by side.
+        Returns the answers of the partitions that answered, by index in the batch and in its order, and the
+        failure of each that did not: one shard's outage holds back its own partition's events only."""
+        groups: dict[Keys, list[int]] = {}
+        for index, item in enumerate(batch):
+            groups.setdefault(self._partitions[item.target.partition], []).append(index)
+        answers = await asyncio.gather(
+            *(self._send_to(where, [batch[i] for i in indexes]) for where, indexes in groups.items()),
+            return_exceptions=True,
+        )
+        written: dict[int, PublishOutcome | str] = {}
+        failed: dict[int, Exception] = {}
+        for (where, indexes), answer in zip(groups.items(), answers, strict=True):
+            if isinstance(answer, REDIS_FAILURES):
+                failed[where.partition] = answer
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                written.update(zip(indexes, answer, strict=True))
+        return dict(sorted(written.items())), failed
 
-    def _report(self, batch: list[_Pending], written: list[int | bytes]) -> None:
+    async def _send_to(self, where: Keys, batch: list[_Pending]) -> list[PublishOutcome | str]:
+        items = [_item(pending) for pending in batch]
+        # A terminal event is the write a failover must not lose: that batch waits for the replicas (and is written
+        # again, which skips what is there, until they acknowledge it).
+        replicas = self._wait_replicas if any(item.final for item in batch) else 0
+        return await self._scripts.publish.run(self._redis, where, items, self._reply_maxlen, replicas)
+
+    def _report(self, batch: list[_Pending], written: list[PublishOutcome | str]) -> None:
         self.stats.flushes += 1
         self.stats.events += len(batch)
-        fenced: set[tuple[str, int | None]] = set()
-        failed: dict[Target, str] = {}
-        for item, outcome in zip(batch, written, strict=True):
-            if isinstance(outcome, bytes):
-                failed.setdefault(item.target, outcome.decode(errors="replace"))
-            elif not outcome:
-                fenced.add((item.target.request_id, item.target.attempt))
+        fenced, failed, behind = _outcomes(batch, written)
         self.stats.fenced += len(fenced)
         if self._on_fenced is not None:
             for request_id, attempt in fenced:
                 self._on_fenced(request_id, attempt or 0)
-        if failed:
-            self.stats.refused += len(failed)
-            self._queue = [item for item in self._queue if item.target not in failed]  # they would fail alike
-            for target, message in failed.items():
-                if self._on_failed is not None:
-                    self._on_failed(target, message)
+        if failed or behind:  # their queued events would meet the same answer
+            self._queue = [item for item in self._queue if item.target not in failed and item.target not in behind]
+        self.stats.refused += len(failed)
+        self.stats.behind += len(behind)
+        for target, message in failed.items():
+            if self._on_failed is not None:
+                self._on_failed(target, message)
+        for target in behind:
+            if self._on_behind is not None:
+                self._on_behind(target)
+        for item, outcome in zip(batch, written, strict=True):
+            if item.on_written is not None:
+                item.on_written(outcome)
+
+
+def _outcomes(
+    batch: list[_Pending], written: list[PublishOutcome | str]
+) -> tuple[set[tuple[str, int | None]], dict[Target, str], set[Target]]:
+    """PUBLISH's answers sorted: the (request, attempt) pairs fenced out, the targets whose keys Redis refused (with
+    its message), and those whose stream is behind."""
+    fenced: set[tuple[str, int | None]] = set()
+    failed: dict[Target, str] = {}
+    behind: set[Target] = set()
+    for item, outcome in zip(batch, written, strict=True):
+        if isinstance(outcome, str):
+            failed.setdefault(item.target, outcome)
+        elif outcome == PublishOutcome.BEHIND:
+            behind.add(item.target)
+        elif outcome == PublishOutcome.FENCED:
+            fenced.add((item.target.request_id, item.target.attempt))
+    return fenced, failed, behind
+
+
+def _item(pending: _Pending) -> PublishItem:
+    ack = pending.target.entry_id if pending.final else b""
+    return PublishItem(pending.target, pending.event, pending.seq, pending.size, ack, pending.completion)

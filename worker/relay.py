@@ -2,55 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Callable
 
 from structlog.typing import FilteringBoundLogger
 
-from client.protocol import DoneEvent, ErrorEvent, GenerateRequest, Timings, TokensEvent, Usage, ms_now
+from client.protocol import DoneEvent, ErrorEvent, TokensEvent, ms_now
+from client.scripts import PublishOutcome
+from client.store import Keys
 from worker.adapter import wire_error
 from worker.engine import DeltaStream, EngineClosed, EngineError, EngineFailed, OutputDelta, TokenLogprob
-from worker.intake import Ready
+from worker.intake import Ready, done_event, target_of
 from worker.metrics import Metrics
-from worker.publisher import Publisher, Target
-
-
-def target_of(ready: Ready) -> Target:
-    """Where a ready request's events go, fenced by its attempt."""
-    request = ready.accepted.request
-    accepted = ready.accepted
-    return Target(
-        request.id,
-        request.result_ttl,
-        ready.attempt,
-        accepted.entry_id,
-        request.reply_to,
-        accepted.notify,
-        accepted.lane,
-    )
-
-
-def done_event(
-    request: GenerateRequest,
-    ready: Ready,
-    reason: str,
-    *,
-    prompt_tokens: int,
-    completion_tokens: int,
-    started_ms: int | None = None,
-    first_ms: int | None = None,
-) -> DoneEvent:
-    """The `done` event. Timings describe the whole request: after a resume, the start and the first token are
-    the first attempt's."""
-    submitted = request.submitted
-    started_ms = ready.first_started_ms or started_ms
-    first_ms = ready.first_token_ms or first_ms
-    timings = Timings(
-        queue_ms=None if started_ms is None else started_ms - submitted,
-        ttft_ms=None if first_ms is None else first_ms - submitted,
-        total_ms=ms_now() - submitted,
-    )
-    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
-    return DoneEvent(finish_reason=reason, usage=usage, timings=timings)  # type: ignore[arg-type]
+from worker.publisher import Publisher
+from worker.tracing import RequestTrace
 
 
 def _wire_logprob(logprob: TokenLogprob) -> tuple[float, str, list[tuple[int, float, str]]]:
@@ -59,9 +23,18 @@ def _wire_logprob(logprob: TokenLogprob) -> tuple[float, str, list[tuple[int, fl
 
 
 class Relay:
-    """Owns one running request: publishes its output under its attempt number until it ends or is fenced."""
+    """Publishes one running request's output under its attempt number until it ends or is fenced
+    (`worker.runs.Run` adds its partition, lease and task), observing its latencies and tracing its phases
+    (`worker.tracing`; `keys`: its partition's, named in the spans)."""
 
-    def __init__(self, ready: Ready, publisher: Publisher, log: FilteringBoundLogger, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        ready: Ready,
+        publisher: Publisher,
+        log: FilteringBoundLogger,
+        metrics: Metrics,
+        keys: Keys | None = None,
+    ) -> None:
         self.ready = ready
         self.request = ready.accepted.request
         self.entry_id = ready.accepted.entry_id
@@ -71,13 +44,13 @@ class Relay:
         # before, so preemption (`pick_victim`) leaves it alone rather than moving it again and again.
         self.started = (ready.first_started_ms or ms_now()) / 1000
         self.target = target_of(ready)
-        self.fenced = False  # another worker owns the request now: write nothing more
+        self.fenced = False  # write nothing more (set only by `Runs.stop`)
         self.tokens = len(ready.delivered_ids)
         self._texts, self._ids = [ready.delivered_text], list(ready.delivered_ids)  # the whole output, for reply_to
-        self.task: asyncio.Task[EngineFailed | None] | None = None
         self._publisher = publisher
         self._log = log
         self._metrics = metrics
+        self.trace = RequestTrace(ready, keys)
 
     @property
     def output(self) -> tuple[str, list[int]]:
@@ -89,14 +62,17 @@ class Relay:
         hands such a request back rather than answering it."""
         started_ms, first_ms, last_ms = ms_now(), None, None
         self._metrics.queue_time.observe(max(0.0, (started_ms - self.request.submitted) / 1000))
+        self.trace.admitted()
         try:
             async for delta in stream:
                 if self.fenced:
+                    self.trace.abandon("fenced")
                     return None
                 if delta.token_ids:
                     now = ms_now()
                     if first_ms is None:
                         first_ms = now
+                        self.trace.first_token()
                         self._metrics.time_to_first_token.observe(max(0.0, (now - self.request.submitted) / 1000))
                     elif last_ms is not None:
                         for _ in delta.token_ids:  # a merged delta: its tokens shared the interval
@@ -104,29 +80,44 @@ class Relay:
                     last_ms = now
                     self._publish_tokens(delta)
                 if delta.finish_reason is not None:
-                    reason = delta.finish_reason.value
-                    event = done_event(
-                        self.request,
-                        self.ready,
-                        reason,
-                        prompt_tokens=stream.prompt_tokens,
-                        completion_tokens=self.tokens,
-                        started_ms=started_ms,
-                        first_ms=first_ms,
-                    )
-                    self._metrics.e2e_latency.observe(max(0.0, (event.timings.total_ms or 0) / 1000))
-                    self._publisher.finish(self.target, event, seq=self.tokens, output=self.output)
-                    self._log.info("finished", request_id=self.request.id, reason=reason, tokens=self.tokens)
+                    self._finish(delta.finish_reason.value, stream.prompt_tokens, started_ms, first_ms)
         except EngineClosed:
             self._log.info("stopped by shutdown", request_id=self.request.id)
+            self.trace.abandon("shutdown")
         except EngineFailed as error:
             self._log.warning(
                 "engine failed under request", request_id=self.request.id, implicated=error.implicated, error=str(error)
             )
+            self.trace.abandon("engine failure", error=str(error))
             return error
         except EngineError as error:
             self.fail(error)
+        finally:
+            self.trace.abandon("stopped")  # a no-op for an attempt that ended or stopped above
         return None
+
+    def _finish(self, reason: str, prompt_tokens: int, started_ms: int, first_ms: int | None) -> None:
+        """The engine finished the request: its `done` event, its per-request histograms, its publish span."""
+        event = done_event(
+            self.request,
+            self.ready,
+            reason,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=self.tokens,
+            started_ms=started_ms,
+            first_ms=first_ms,
+        )
+        finished_ms = ms_now()
+        metrics = self._metrics
+        metrics.e2e_latency.observe(max(0.0, (event.timings.total_ms or 0) / 1000))
+        metrics.request_prompt_tokens.observe(prompt_tokens)
+        metrics.request_generation_tokens.observe(self.tokens)
+        metrics.request_inference_time.observe(max(0, finished_ms - started_ms) / 1000)
+        if first_ms is not None:  # this attempt's own phases: admission -> first token -> finish
+            metrics.request_prefill_time.observe(max(0, first_ms - started_ms) / 1000)
+            metrics.request_decode_time.observe(max(0, finished_ms - first_ms) / 1000)
+        self._send_final(event, self.trace.finished(reason, prompt_tokens=prompt_tokens, completion_tokens=self.tokens))
+        self._log.info("finished", request_id=self.request.id, reason=reason, tokens=self.tokens)
 
     def _publish_tokens(self, delta: OutputDelta) -> None:
         logprobs = None if delta.logprobs is None else [_wire_logprob(lp) for lp in delta.logprobs]
@@ -141,4 +132,14 @@ class Relay:
         """Ends the request with the wire error its engine error maps to."""
         wire = wire_error(error)
         event = ErrorEvent(code=wire.code, message=str(error), retryable=wire.retryable)
-        self._publisher.finish(self.target, event, seq=self.tokens, output=self.output)
+        self._send_final(event, self.trace.failed(str(wire.code), str(error)))
+
+    def _send_final(
+        self, event: DoneEvent | ErrorEvent, written: Callable[[PublishOutcome | str], None] | None
+    ) -> None:
+        """The terminal event to the publisher; `written` (the trace's publish span, when it records) hears it
+        written. Untraced, the call is the publisher's plain one (as a test's fake publisher takes it)."""
+        if written is None:
+            self._publisher.finish(self.target, event, seq=self.tokens, output=self.output)
+        else:
+            self._publisher.finish(self.target, event, seq=self.tokens, output=self.output, on_written=written)

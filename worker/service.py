@@ -1,7 +1,8 @@
 """The worker: read -> start -> drain. Wires Redis, the intake, the engine and the publisher, and owns the
 lifecycle of its helpers (heartbeat, cancel listener, lease renewal, publisher).
 
-intake (XREADGROUP COUNT=free slots) -> decide_ready -> engine.submit -> one relay task per request -> publisher
+intake (XREADGROUP COUNT=free slots) -> admissions -> start | answer | dead letter
+runs: engine.submit -> one relay task per request -> publisher; `Runs.stop` fences, cancels and hands back
 cancel listener (pub/sub) -> engine.cancel          heartbeat -> {<queue>}:workers
 """
 
@@ -9,40 +10,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import Counter
+import functools
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
+from client.backoff import jittered
+from client.failover import REDIS_FAILURES, reraise_lost_cancellation
 from client.protocol import LANES, ErrorCode, ErrorEvent, Lane, encode
-from client.store import CONSUMER_GROUP, HAND_BACK_DRAIN, HAND_BACK_ENGINE_FAILURE, HAND_BACK_PREEMPTION, Keys, Scripts
-from worker.adapter import engine_request
+from client.store import CONSUMER_GROUP, Scripts
+from client.tracing import configure_from_env
 from worker.cancels import CancelListener
 from worker.config import Settings
-from worker.engine import EngineError, EngineFailed, GenerationEngine, Resume
-from worker.engine.interface import DeltaStream
+from worker.engine import GenerationEngine
 from worker.heartbeat import Heartbeat
-from worker.intake import (
-    Accepted,
-    Complete,
-    DeadLetter,
-    Decision,
-    Intake,
-    Ready,
-    Refuse,
-    Rejected,
-    Run,
-    decide_ready,
-)
+from worker.intake import Answer, Decision, Letter, Policy, Start
 from worker.lanes import pick_victim, read_steps, reserved_slots
 from worker.leases import Claimed, Leases
 from worker.logging import get_logger, redact
 from worker.metrics import Metrics
+from worker.partitions import Partition, Partitions, open_partitions
 from worker.pausing import pause
 from worker.publisher import Publisher, Target
-from worker.relay import Relay, done_event, target_of
+from worker.runs import Reason, Run, Runs
 
+READ_RETRY_S = 1.0  # a failed read of the queue is retried after about this long (jittered)
 _PREEMPTIVE_WAIT_MS = 100  # a full worker with preemptible work blocks on the lanes this long at a time
 
 
@@ -53,24 +45,21 @@ class Worker:
         self.settings = settings
         self.engine = engine
         self.redis = redis
-        self.keys = Keys(settings.queue, settings.prefix)
         scripts = Scripts.register(redis)
-        self.intake = Intake(
-            redis, self.keys, settings.worker_id, settings.limits, settings.dead_letter_maxlen, scripts
-        )
-        self.leases = {
-            lane: Leases(redis, self.keys, settings.worker_id, settings.lease_timeout_s, scripts, lane)
-            for lane in LANES
-        }
+        self.partitions = Partitions(open_partitions(redis, settings, scripts))
+        self.keys = self.partitions.all[0].keys  # the queue's home: heartbeats, the fleet's rate
         self._reserved = reserved_slots(settings.max_running, settings.lane_share)
         self.publisher = Publisher(
             redis,
             self.keys,
+            partitions=settings.queue_partitions,
             on_error=self._publish_failed,
             on_fenced=self._fenced,
             on_failed=self._events_refused,
+            on_behind=self._stream_behind,
             scripts=scripts,
             reply_maxlen=settings.reply_maxlen,
+            wait_replicas=settings.redis_wait_replicas,
         )
         self.log = get_logger(worker=settings.worker_id, queue=settings.queue)
         self.metrics = Metrics(engine, settings.queue, settings.model)
@@ -78,18 +67,20 @@ class Worker:
         self.heartbeat = Heartbeat(
             redis, self.keys, settings, engine, self.metrics, lambda: self.publisher.stats.tokens, self.log
         )
-        self.cancels = CancelListener(redis, self.keys, engine, lambda: list(self.relays), self.log)
-        self.relays: dict[str, Relay] = {}
-        self._capacity = asyncio.Event()
+        self.runs = Runs(engine, self.publisher, self.log, self.metrics, self.partitions.all)
+        self.cancels = [
+            CancelListener(redis, partition.keys, engine, functools.partial(self.runs.running_in, partition), self.log)
+            for partition in self.partitions.all
+        ]
         self._next_claim = 0.0
-        self._preempted: dict[Lane, list[bytes]] = {lane: [] for lane in LANES}  # handed back here, to resume here
-        self._chores: set[asyncio.Task[None]] = set()  # dead letters written from callbacks
         # Helpers stop on this flag, not by cancellation (see `worker.pausing`).
         self._finished = asyncio.Event()
+        self._helper_failure: BaseException | None = None
 
     async def run(self, stop: asyncio.Event, hurry: asyncio.Event | None = None) -> None:
         """Serves until `stop` is set; then drains (until `hurry` is set or the drain timeout) and hands back."""
-        await self.intake.ensure_group()
+        await self._ensure_groups()
+        configure_from_env("llmq-worker").report(self.log, "tracing on", "tracing not configured")
         if self.settings.metrics_port:
             try:
                 self.metrics.serve(self.settings.metrics_port, self.settings.metrics_address)
@@ -97,10 +88,15 @@ class Worker:
                 self.log.warning("metrics endpoint not started", port=self.settings.metrics_port, error=str(error))
         helpers = [
             asyncio.create_task(self.publisher.run(), name="publisher"),
-            asyncio.create_task(self.cancels.run(self._finished), name="cancels"),
+            *(
+                asyncio.create_task(listener.run(self._finished), name=f"cancels-{index}")
+                for index, listener in enumerate(self.cancels)
+            ),
             asyncio.create_task(self.heartbeat.run(self._finished), name="heartbeat"),
             asyncio.create_task(self._renew_leases(), name="leases"),
         ]
+        for task in helpers:
+            task.add_done_callback(functools.partial(self._helper_ended, stop))
         self.log.info("worker ready", model=self.settings.model, kv_blocks=self.engine.stats().kv_blocks_total)
         try:
             await self._read_until(stop)
@@ -119,15 +115,33 @@ class Worker:
                     await self.redis.hdel(self.keys.workers, self.settings.worker_id)
                     await self._leave_group()
             self.log.info("worker stopped")
+        if self._helper_failure is not None:
+            raise RuntimeError("a worker loop died; see the log") from self._helper_failure
+
+    def _helper_ended(self, stop: asyncio.Event, task: asyncio.Task[None]) -> None:
+        """A helper that ends before the worker leaves it unable to publish, renew its leases or hear cancels:
+        rather than serve half-blind, the worker drains and exits with an error, and its supervisor restarts it."""
+        if self._finished.is_set() or task.cancelled() or task.exception() is None:
+            return
+        self._helper_failure = task.exception()
+        self.log.error("worker loop died; stopping", task=task.get_name(), error=repr(self._helper_failure))
+        stop.set()
 
     async def _leave_group(self) -> None:
         """Removes this consumer from each lane's group where it holds nothing, so restarts leave no trail."""
-        for stream in self.keys.lanes.values():
+        for stream in (stream for partition in self.partitions.all for stream in partition.keys.lanes.values()):
             mine = await self.redis.xpending_range(
                 stream, CONSUMER_GROUP, min="-", max="+", count=1, consumername=self.settings.worker_id
             )
             if not mine:
                 await self.redis.xgroup_delconsumer(stream, CONSUMER_GROUP, self.settings.worker_id)
+
+    async def _ensure_groups(self) -> None:
+        for partition in self.partitions.all:
+            await partition.intake.ensure_group()
+
+    def _all_leases(self) -> list[Leases]:
+        return [partition.leases[lane] for partition in self.partitions.all for lane in LANES]
 
     # ------------------------------------------------------------------ read
 
@@ -138,61 +152,88 @@ class Worker:
 
     async def _read_until(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            reraise_lost_cancellation()  # a worker embedded in a program is stopped by cancelling its task, too
             free = self.free_slots()
             if free == 0 and self.settings.preemption and self._preemptible() is not None:
                 try:
                     await self._preempt_for_interactive()
-                except RedisError as error:
+                except REDIS_FAILURES as error:
                     self.log.warning("reading the interactive lane failed", error=redact(str(error)))
-                    await asyncio.sleep(1.0)
+                    await asyncio.sleep(jittered(READ_RETRY_S))
                 continue
             if free == 0:  # read nothing an idle worker could run sooner
-                self._capacity.clear()
+                self.runs.freed.clear()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self.settings.read_block_ms / 1000):
-                        await self._capacity.wait()
+                        await self.runs.freed.wait()
                 continue
             try:
                 free -= await self._claim(free)
-                if free > 0:
-                    steps = read_steps(free, self._running_by_lane(), self._reserved)
-                    await self._start_all(await self.intake.read(free, steps, self.settings.read_block_ms))
-            except RedisError as error:  # Redis unreachable: keep serving what is in flight, retry shortly
+                await self._read_new(free)
+            except REDIS_FAILURES as error:  # Redis unreachable: keep serving what is in flight, retry shortly
                 self.log.warning("reading the queue failed", error=redact(str(error)))
                 if "NOGROUP" in str(error):  # Redis came back without its data: nothing is read until the group is
-                    with contextlib.suppress(RedisError):
-                        await self.intake.ensure_group()
-                await asyncio.sleep(1.0)
+                    with contextlib.suppress(*REDIS_FAILURES):
+                        await self._ensure_groups()
+                await asyncio.sleep(jittered(READ_RETRY_S))
+
+    async def _read_new(self, free: int) -> None:
+        """New requests for up to `free` slots. One partition: one read of its lanes in order, waiting up to the read
+        block when there are none. Several: lane by lane (so an interactive request in any partition comes before
+        batch work in another), each lane from every partition in this round's order; then, if nothing was read,
+        a wait on the round's last partition for the read block shared out over the partitions, so a request on
+        any partition waits at most that share before an idle worker reads it."""
+        order = self.partitions.rotation()
+        if len(order) == 1:
+            steps = read_steps(free, self.runs.by_lane(), self._reserved)
+            await self._admit(order[0], await order[0].intake.read(free, steps, self.settings.read_block_ms))
+            return
+        found, drained = False, set()  # (partition, lane) pairs that gave less than asked: empty for this round
+        for lane, wanted in read_steps(free, self.runs.by_lane(), self._reserved):
+            for partition in order:
+                asked = min(wanted, free)
+                if asked <= 0:
+                    break
+                if (partition.index, lane) in drained:
+                    continue
+                decisions = await partition.intake.read(free, [(lane, asked)], None)
+                if len(decisions) < asked:
+                    drained.add((partition.index, lane))
+                wanted, free = wanted - len(decisions), free - len(decisions)
+                found = found or bool(decisions)
+                await self._admit(partition, decisions)
+        if not found and free > 0:
+            steps = read_steps(free, self.runs.by_lane(), self._reserved)
+            block_ms = max(1, self.settings.read_block_ms // len(order))
+            await self._admit(order[-1], await order[-1].intake.read(free, steps, block_ms))
 
     async def _claim(self, free: int) -> int:
         """Resumes requests this worker preempted and takes over those whose worker died (idle past the lease)
         or that were handed back; returns how many were claimed."""
         taken = 0
-        for lane, entry_ids in self._preempted.items():  # first the requests this worker preempted, highest lane first
-            resumable, self._preempted[lane] = entry_ids[: free - taken], entry_ids[free - taken :]
-            taken += await self._start_claimed(lane, await self.leases[lane].reclaim(resumable))
+        for (partition, lane), entry_ids in self.runs.preempted.items():  # first what this worker preempted
+            resumable, self.runs.preempted[partition, lane] = entry_ids[: free - taken], entry_ids[free - taken :]
+            taken += await self._start_claimed(partition, lane, await partition.leases[lane].reclaim(resumable))
         now = asyncio.get_running_loop().time()
         if now < self._next_claim:
             return taken
         self._next_claim = now + self.settings.claim_interval_s
-        for lane, leases in self.leases.items():  # highest lane first
-            taken += await self._start_claimed(lane, await leases.claim(free - taken))
+        order = self.partitions.rotation()
+        for lane in LANES:  # highest lane first
+            for partition in order:
+                taken += await self._start_claimed(partition, lane, await partition.leases[lane].claim(free - taken))
         return taken
 
-    async def _start_claimed(self, lane: Lane, claimed: list[Claimed]) -> int:
+    async def _start_claimed(self, partition: Partition, lane: Lane, claimed: list[Claimed]) -> int:
         if claimed:
             self.metrics.claims.inc(len(claimed))
             self.log.info("claimed", lane=lane, count=len(claimed), entries=[c.entry_id.decode() for c in claimed])
-            decisions, deliveries = self.intake.decide_claimed(lane, claimed)
-            await self._start_all(decisions, deliveries)
+            decisions, deliveries = partition.intake.decide_claimed(lane, claimed)
+            await self._admit(partition, decisions, deliveries)
         return len(claimed)
 
-    def _running_by_lane(self) -> dict[Lane, int]:
-        return dict(Counter(relay.lane for relay in self.relays.values() if not relay.fenced))
-
-    def _preemptible(self) -> Relay | None:
-        running = [relay for relay in self.relays.values() if not relay.fenced]
-        return pick_victim(running, self._running_by_lane(), self._reserved, self.settings.max_preemptions)
+    def _preemptible(self) -> Run | None:
+        return pick_victim(self.runs.live(), self.runs.by_lane(), self._reserved, self.settings.max_preemptions)
 
     async def _preempt_for_interactive(self) -> None:
         """A full engine running preemptible work: wait (briefly, so a freed slot is noticed soon too) for an
@@ -200,172 +241,106 @@ class Worker:
         accepted it and it waits for a slot (not refused, expired or cancelled), cancel the victim `pick_victim`
         names, whose slot goes to the urgent request at once, then hand the victim back once its output is
         published."""
-        block_ms = min(self.settings.read_block_ms, _PREEMPTIVE_WAIT_MS)
-        decisions = await self.intake.read(1, [("interactive", 1)], block_ms=block_ms)
-        if not decisions:
+        order = self.partitions.rotation()
+        block_ms = max(1, min(self.settings.read_block_ms, _PREEMPTIVE_WAIT_MS) // len(order))
+        for index, partition in enumerate(order):
+            block = block_ms if index == len(order) - 1 else None
+            decisions = await partition.intake.read(1, [("interactive", 1)], block_ms=block)
+            if decisions:
+                break
+        else:
             return
-        await self._start_all(decisions)  # queued in the engine (urgent: first in line), or answered
+        await self._admit(partition, decisions)  # queued in the engine (urgent: first in line), or answered
         victim = self._preemptible()  # again: the wait may have changed what runs
         if victim is None or self.engine.stats().waiting == 0:
             return  # it runs already, was answered without running, or waits here for the next free slot
-        victim.fenced = True  # writes nothing more; whoever claims it resumes from what is published
-        self.engine.cancel(victim.request.id)
-        self.metrics.preempted(victim.lane)
-        self.log.info(
-            "preempted",
-            request_id=victim.request.id,
-            lane=victim.lane,
-            tokens=victim.tokens,
-            preemptions=victim.preemptions + 1,
-            for_entry=decisions[0].entry_id.decode(),
+        # writes nothing more; whoever claims it resumes from what is published (first this worker)
+        await self.runs.stop(victim, reason=Reason.PREEMPTED, for_entry=decisions[0].entry_id)
+
+    # ------------------------------------------------------------------ admit
+
+    async def _admit(
+        self, partition: Partition, decisions: list[Decision], deliveries: dict[bytes, int] | None = None
+    ) -> None:
+        """Does what admission decides for each entry read from `partition`: start it, answer it, dead-letter it."""
+        settings = self.settings
+        policy = Policy(
+            self.engine.eos_token_ids, settings.max_deliveries, settings.max_engine_failures, settings.max_hand_backs
         )
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(1.0):
-                await self.publisher.wait_idle()
-        await self.leases[victim.lane].hand_back([(victim.entry_id, victim.request.id)], HAND_BACK_PREEMPTION)
-        self._preempted[victim.lane].append(victim.entry_id)
+        admissions = partition.intake.admissions(decisions, policy, deliveries, running_here=self.runs.__contains__)
+        async with contextlib.aclosing(admissions):
+            async for admission in admissions:
+                match admission:
+                    case Start(ready=ready):
+                        heard = self.cancels[ready.accepted.partition].heard(ready.accepted.request.id)
+                        self.runs.start(admission, cancelled=heard)
+                    case Answer():
+                        self._answer(admission)
+                    case Letter():
+                        await self._dead_letter(partition, admission)
 
-    # ------------------------------------------------------------------ start
+    def _answer(self, answer: Answer) -> None:
+        event = answer.event
+        if answer.rejected and isinstance(event, ErrorEvent):
+            self.log.info("rejected", request_id=answer.target.request_id, code=event.code, reason=event.message)
+        self.publisher.finish(answer.target, event, seq=answer.seq, output=answer.output)
 
-    async def _start_all(self, decisions: list[Decision], deliveries: dict[bytes, int] | None = None) -> None:
-        for decision in decisions:
-            if isinstance(decision, DeadLetter):
-                self.log.warning("dead letter", entry=decision.entry_id.decode(), reason=decision.reason)
-                await self.intake.dead_letter(decision)
-                self.metrics.dead_letters.inc()
-            elif isinstance(decision, Rejected):
-                self._reject(decision)
-        accepted = [d for d in decisions if isinstance(d, Accepted)]
-        ready, refused = await self.intake.prepare(accepted, deliveries, self.settings.max_hand_backs)
-        for rejected in refused:
-            self._reject(rejected)
-        for item in ready:
-            await self._start(item)
-
-    def _reject(self, decision: Rejected) -> None:
-        self.log.info("rejected", request_id=decision.request_id, code=decision.code, reason=decision.message)
-        event = ErrorEvent(code=decision.code, message=decision.message)
-        target = Target(
-            decision.request_id,
-            decision.result_ttl,
-            entry_id=decision.entry_id,
-            reply_to=decision.reply_to,
-            notify=decision.notify,
-            lane=decision.lane,
-        )
-        self.publisher.finish(target, event)
-
-    async def _start(self, ready: Ready) -> None:
-        request = ready.accepted.request
-        decision = decide_ready(
-            ready,
-            eos_token_ids=self.engine.eos_token_ids,
-            max_deliveries=self.settings.max_deliveries,
-            max_engine_failures=self.settings.max_engine_failures,
-            running_here=request.id in self.relays,
-        )
-        delivered = len(ready.delivered_ids)
-        output = (ready.delivered_text, ready.delivered_ids)
-        if isinstance(decision, Complete):
-            event = None
-            if decision.finish_reason is not None:
-                event = done_event(request, ready, decision.finish_reason, prompt_tokens=0, completion_tokens=delivered)
-            self.publisher.finish(target_of(ready), event, seq=delivered, output=output)
-        elif isinstance(decision, Refuse):
-            self.log.warning("refused", request_id=request.id, code=decision.code, reason=decision.reason)
-            letter = DeadLetter(ready.accepted.entry_id, encode(request), decision.reason, ready.accepted.lane)
-            await self.intake.dead_letter(letter, acknowledge=False)  # the error event acknowledges it
-            self.metrics.dead_letters.inc()
-            if decision.code == ErrorCode.POISON_REQUEST:
-                self.metrics.quarantined.inc()
-            error = ErrorEvent(code=decision.code, message=f"the request was refused: {decision.reason}")
-            self.publisher.finish(target_of(ready), error, seq=delivered, output=output)
+    async def _dead_letter(self, partition: Partition, letter: Letter) -> None:
+        answer = letter.answer  # a request refused for good: its reader hears why
+        code = answer.event.code if answer is not None and isinstance(answer.event, ErrorEvent) else None
+        if answer is None:
+            self.log.warning("dead letter", entry=letter.entry_id.decode(), reason=letter.reason)
         else:
-            self._run(ready, decision)
-
-    def _run(self, ready: Ready, decision: Run) -> None:
-        request = ready.accepted.request
-        relay = Relay(ready, self.publisher, self.log, self.metrics)
-        if decision.replaces_own:  # we claimed our own request (our lease lapsed, say in an outage)
-            self._fence_out(self.relays[request.id])  # the old run stops; this attempt resumes from its output
-        resume = Resume(ready.delivered_ids, ready.delivered_text) if ready.delivered_ids else None
-        try:
-            urgent = ready.accepted.lane == "interactive"
-            stream = self.engine.submit(engine_request(request, resume, suspect=decision.suspect, urgent=urgent))
-        except EngineError as error:
-            self.log.info("rejected", request_id=request.id, reason=str(error))
-            relay.fail(error)
-            return
-        if resume is not None:
-            self.log.info("resumed", request_id=request.id, delivered=len(resume.token_ids), attempt=ready.attempt)
-        self.relays[request.id] = relay
-        relay.task = asyncio.create_task(self._relay(relay, stream), name=request.id)
-
-    async def _relay(self, relay: Relay, stream: DeltaStream) -> None:
-        try:
-            failure = await relay.run(stream)
-            if failure is not None:
-                await self._hand_back_failed(relay, failure)
-        finally:
-            if self.relays.get(relay.request.id) is relay:  # not a newer attempt of the same request
-                del self.relays[relay.request.id]
-            self._capacity.set()
-
-    async def _hand_back_failed(self, relay: Relay, failure: EngineFailed) -> None:
-        """After an engine failure: whoever claims the request next resumes it, counting the failure against it
-        if it was implicated (which quarantines a request that keeps killing engines)."""
-        reason = HAND_BACK_ENGINE_FAILURE if failure.implicated else HAND_BACK_DRAIN
-        with contextlib.suppress(RedisError):
-            await self.leases[relay.lane].hand_back([(relay.entry_id, relay.request.id)], reason)
+            self.log.warning("refused", request_id=answer.target.request_id, code=code, reason=letter.reason)
+        await partition.intake.dead_letter(letter)  # with an answer, that answer acknowledges the entry
+        self.metrics.dead_letters.inc()
+        if answer is not None:
+            if code == ErrorCode.POISON_REQUEST:
+                self.metrics.quarantined.inc()
+            self._answer(answer)
 
     # ------------------------------------------------------------------ ownership
 
     async def _renew_leases(self) -> None:
         while await pause(self._finished, self.settings.lease_renew_s):
-            for lane, leases in self.leases.items():
-                relays = [relay for relay in self.relays.values() if relay.lane == lane and not relay.fenced]
+            for leases in self._all_leases():
+                runs = self.runs.holding(leases)
                 try:
-                    lost = await leases.renew([relay.entry_id for relay in relays])
-                except RedisError as error:
+                    lost = await leases.renew([run.entry_id for run in runs])
+                except REDIS_FAILURES as error:
                     self.log.warning("renewing leases failed", error=redact(str(error)))
                     continue
-                for relay in relays:
-                    if relay.entry_id in lost:
-                        self._fence_out(relay)
+                self.runs.stop(*(run for run in runs if run.entry_id in lost), reason=Reason.LOST)
 
     def _fenced(self, request_id: str, attempt: int) -> None:
         """The publisher's report: a write of `attempt` was refused. A newer attempt of ours runs on."""
-        relay = self.relays.get(request_id)
-        if relay is not None and relay.target.attempt == attempt:
-            self._fence_out(relay)
+        run = self.runs.get(request_id)
+        if run is not None and run.target.attempt == attempt:
+            self.runs.stop(run, reason=Reason.LOST)
 
-    def _fence_out(self, relay: Relay) -> None:
-        """Another attempt owns this request now: stop generating it and write nothing more for it."""
-        if not relay.fenced:
-            relay.fenced = True
-            self.engine.cancel(relay.request.id)
-            self.log.warning("lost ownership; stopped", request_id=relay.request.id, attempt=relay.target.attempt)
+    def _stream_behind(self, target: Target) -> None:
+        """The publisher's report: this request's result stream holds fewer tokens than its next event follows, as
+        when a failover lost the last writes before the primary died: it is handed back at once."""
+        run = self.runs.writing(target)
+        if run is not None:
+            self.runs.stop(run, reason=Reason.BEHIND)
 
     def _events_refused(self, target: Target, message: str) -> None:
         """The publisher's report: Redis refused this request's events (its keys alone: a result stream someone
         overwrote with another type, say). Its reader cannot be answered there: stop it and dead-letter it."""
-        relay = self.relays.get(target.request_id)
-        raw = b""
-        if relay is not None and relay.target == target:
-            relay.fenced = True
-            self.engine.cancel(target.request_id)
-            raw = encode(relay.request)
+        run = self.runs.writing(target)
+        if run is not None:
+            self.runs.stop(run, reason=Reason.REFUSED)
+        raw = b"" if run is None else encode(run.request)
         self.log.error("result stream refused; dead-lettered", request_id=target.request_id, error=redact(message))
-        letter = DeadLetter(target.entry_id, raw, f"Redis refused the request's result events: {message}", target.lane)
-        chore = asyncio.create_task(self._dead_letter_quietly(letter))
-        self._chores.add(chore)
-        chore.add_done_callback(self._chores.discard)
+        letter = Letter(target.entry_id, raw, f"Redis refused the request's result events: {message}", target.lane)
+        self.runs.later(self._dead_letter_quietly(self.partitions.all[target.partition], letter))
 
-    async def _dead_letter_quietly(self, letter: DeadLetter) -> None:
+    async def _dead_letter_quietly(self, partition: Partition, letter: Letter) -> None:
         try:
-            await self.intake.dead_letter(letter)
+            await partition.intake.dead_letter(letter)
             self.metrics.dead_letters.inc()
-        except RedisError as error:  # its lease lapses and another worker meets the same refusal: bounded by deliveries
+        except REDIS_FAILURES as error:  # its lease lapses; another worker meets the same refusal: bounded
             self.log.warning("dead-lettering failed", entry=letter.entry_id.decode(), error=redact(str(error)))
 
     def _publish_failed(self, error: Exception) -> None:
@@ -376,7 +351,7 @@ class Worker:
     async def _drain(self, hurry: asyncio.Event) -> None:
         """Stopped reading: lets requests in flight finish within the drain timeout (or until `hurry`), hands
         back the rest (claimable at once by any worker, which resumes them), and writes what is queued."""
-        tasks = [relay.task for relay in self.relays.values() if relay.task is not None]
+        tasks = self.runs.tasks()
         if tasks:
             self.log.info("draining", in_flight=len(tasks), timeout_s=self.settings.drain_timeout_s)
             finished: asyncio.Future[Any] = asyncio.gather(*tasks, return_exceptions=True)
@@ -385,14 +360,10 @@ class Worker:
                 [finished, hurried], timeout=self.settings.drain_timeout_s, return_when=asyncio.FIRST_COMPLETED
             )
             hurried.cancel()
-        left = list(self.relays.values())
+        left = list(self.runs)
         if left:
             self.log.warning("handing back unfinished requests", count=len(left))
-            for relay in left:
-                relay.fenced = True  # no more renewals or writes: whoever claims it resumes from what is published
-            for lane, leases in self.leases.items():
-                with contextlib.suppress(RedisError):
-                    await leases.hand_back([(relay.entry_id, relay.request.id) for relay in left if relay.lane == lane])
+            await self.runs.stop(*left, reason=Reason.SHUTDOWN)  # whoever claims them resumes from what is published
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(self.settings.drain_timeout_s, 1.0)):
                 await self.publisher.wait_idle()
