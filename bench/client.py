@@ -1,6 +1,6 @@
 """One client awaiting many jobs: the multiplexed reader (one `AsyncClient`, at most 4 connections) against
 the previous design (one blocking XREAD, so one connection, per awaited job), side by side in one run, on
-scripted-engine workers (`tests/scripted_engine.py`), so the client and Redis are what is measured.
+scripted-engine workers (`testing/scripted_engine.py`), so the client and Redis are what is measured.
 
     python -m bench.client [--quick] [--jobs 10000] [--baseline-jobs 2000] [--tokens 8]
 
@@ -36,7 +36,6 @@ from worker.embedded_redis import RedisServer
 KEYS = Keys("default")
 STEP_S = 0.02
 WORKERS, SLOTS = 2, 64
-
 
 
 class GcPauses:

@@ -146,11 +146,10 @@ async def _submit(client: AsyncClient, job: Job) -> Any:
     )
 
 
-
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="llmq-bench-e2e-"))
     if args.quick:
-        from tests.tiny_models import save_tiny_model
+        from testing.tiny_models import save_tiny_model
 
         model_spec = str(save_tiny_model(workdir / "model", "llama", max_positions=2048))
     else:

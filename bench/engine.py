@@ -123,7 +123,7 @@ async def run_engine(
         if probe is not None:
             probe.lone_decode_ms, probe.one_row_ms = await _lone_against_matmul(engine, model, jobs[0].prompt_ids[:64])
         counters = engine.counters
-        engine.observe_steps(lambda tokens: steps.append((tokens, counters.decode_tokens, time.perf_counter())))
+        engine.observe_steps(lambda step: steps.append((step.tokens, counters.decode_tokens, time.perf_counter())))
         decode_before = counters.decode_tokens
         start = time.perf_counter()
         streams = [

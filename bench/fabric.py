@@ -1,5 +1,5 @@
 """The queue fabric without the model's cost: client -> Redis -> worker processes -> Redis -> client, with the
-scripted engine (`tests/scripted_engine.py`, never a default) that emits one token per running request every
+scripted engine (`testing/scripted_engine.py`, never a default) that emits one token per running request every
 simulated step.
 
     python -m bench.fabric [--quick] [--step-ms 20]
@@ -37,7 +37,7 @@ async def run_worker(url: str, step_s: float, max_running: int, name: str) -> No
 
     # Here, in the worker's process only: the client side of a benchmark must not carry torch's heap (its
     # garbage collections stall the event loop for 100+ ms, which no real client process pays).
-    from tests.scripted_engine import ScriptedEngine
+    from testing.scripted_engine import ScriptedEngine
     from worker.config import Settings
     from worker.logging import configure
     from worker.service import Worker

@@ -4,7 +4,7 @@ lost, gapped or duplicated, and which keys of ours have no bound.
 
     python -m bench.faults [--quick] [--requests N] [--kills K] [--malformed M] [--hostile H]
 
-Workers run with the test-only engine killer (`tests.poison`), and H hostile requests of different kinds
+Workers run with the test-only engine killer (`testing.poison`), and H hostile requests of different kinds
 (values past the bounds, broken versions and encodings, and requests that kill the engine thread) are mixed
 into the load.
 
@@ -23,9 +23,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.workload import print_json
-from tests import poison
-from tests.faults.cluster import Cluster, hostile_entries, run_faults
-from tests.tiny_models import save_tiny_model
+from testing import poison
+from testing.fault_cluster import Cluster, hostile_entries, run_faults
+from testing.tiny_models import save_tiny_model
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = save_tiny_model(root / "model", "llama", max_positions=512)
     faults = ["kill"] * args.kills + ["stop", "term", "redis"]
     random.Random(7).shuffle(faults)
-    cluster = Cluster(root, model_dir, module="tests.poison")
+    cluster = Cluster(root, model_dir, module="testing.poison")
     hostile = hostile_entries(args.hostile, killer_top_p=poison.POISON_TOP_P)
     killers = sum("engine-killer" in request_id for request_id, _ in hostile)
     for index in range(args.workers):

@@ -3,7 +3,7 @@ Python client, in one run, against the same workers.
 
     python -m bench.gateway [--quick] [--requests 512] [--concurrency 64] [--tokens 64] [--step-ms 20]
 
-The workers run the scripted engine (`tests/scripted_engine.py`, one token per running request every
+The workers run the scripted engine (`testing/scripted_engine.py`, one token per running request every
 `--step-ms`), not a model: what is measured is what the gateway adds on top of the queue, which a model would
 only hide. The gateway runs in its own process (`python -m gateway`), as deployed; this process drives both
 sides with asyncio (raw httpx + SSE parsing for HTTP, so SDK parsing costs are not counted) and never imports
@@ -32,7 +32,6 @@ from client import AsyncClient
 from worker.embedded_redis import RedisServer
 
 MODEL = "scripted"  # what bench.fabric's workers announce
-
 
 
 def prompt(index: int) -> list[dict[str, str]]:

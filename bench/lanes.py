@@ -59,7 +59,6 @@ def start_worker(url: str, model: str, name: str, log: Path) -> subprocess.Popen
     return subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
 
 
-
 async def interactive_ttfts(client: AsyncClient, jobs: list[Job], arrivals: list[float]) -> list[float]:
     """Submits each job at its arrival time; submit -> first streamed token, per job."""
     origin = time.perf_counter()
@@ -104,7 +103,7 @@ async def outputs(handles: list[Any]) -> tuple[list[list[int] | None], float]:
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="llmq-bench-lanes-"))
     if args.quick:
-        from tests.tiny_models import save_tiny_model
+        from testing.tiny_models import save_tiny_model
 
         model = str(save_tiny_model(workdir / "model", "llama", max_positions=2048))
         vocab = 400  # the tiny model's vocabulary is smaller than any real one

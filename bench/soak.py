@@ -15,7 +15,7 @@ run in MB per 1,000 requests (least-squares slope, and end minus middle). Target
 but not enforced: each growth <= 1.0 MB per 1,000 requests, 0 errors. `completed` counts every request that
 ended; one that ends `cancelled` (or that the client cancels by disconnecting) is no error, one answered with an
 error event, an exception or an HTTP error is (counted by kind, the first few printed). The default model is a
-tiny random Llama (`tests/tiny_models.py`): 5,000 requests took 2-3 minutes on 2 cores (`--requests 20000`
+tiny random Llama (`testing/tiny_models.py`): 5,000 requests took 2-3 minutes on 2 cores (`--requests 20000`
 soaks for about 10); `--model smollm2` runs the real default model, far slower.
 """
 
@@ -49,7 +49,7 @@ TIMEOUT_S = 600.0  # per request: a stuck request is an error, not a hung benchm
 TARGET_GROWTH_MB_PER_1K = 1.0
 PROCESSES = ("worker", "gateway", "client")
 SMOLLM2_VOCAB = 49152
-# The tiny tokenizer's corpus (`tests/tiny_models.py`): about 1.3 tokens a word.
+# The tiny tokenizer's corpus (`testing/tiny_models.py`): about 1.3 tokens a word.
 WORDS = (
     *("The", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog.", "Continuous", "batching", "lets"),
     *("short", "requests", "finish", "early.", "Paris", "is", "capital", "of", "France;", "Tokyo", "Japan."),
@@ -554,8 +554,11 @@ def follow(
             samples.blocks.append((count, int(blocks)))
             if count % shown == 0:
                 figures = ", ".join(f"{name} {mb:.0f} MB" for name, mb in rss.items())
-                print(f"  {count:5d}/{args.requests} requests, {time.monotonic() - samples.started:6.0f} s, "
-                      f"errors {errors}: {figures}", flush=True)
+                print(
+                    f"  {count:5d}/{args.requests} requests, {time.monotonic() - samples.started:6.0f} s, "
+                    f"errors {errors}: {figures}",
+                    flush=True,
+                )
     peaks = {name: status_mb(process.pid, "VmHWM") for name, process in watched.items()}
     return json.loads(line.removeprefix("final ")), samples, peaks
 
@@ -573,7 +576,7 @@ def stop(process: subprocess.Popen[Any], timeout_s: float = 60) -> None:
 
 def tiny_model(workdir: Path) -> tuple[str, int]:
     """A tiny random Llama whose context holds a 2,000-token prompt and 64 new tokens; (folder, vocab size)."""
-    from tests.tiny_models import save_tiny_model  # here only: the parent may carry torch, the client must not
+    from testing.tiny_models import save_tiny_model  # here only: the parent may carry torch, the client must not
 
     folder = save_tiny_model(workdir / "model", "llama", max_positions=4096)
     return str(folder), json.loads((folder / "config.json").read_text())["vocab_size"]
@@ -648,34 +651,44 @@ def report(
     figures: dict[str, Any] = {"model": args.model, "requests": args.requests, "concurrency": args.concurrency}
     figures |= {key: summary[key] for key in ("completed", "ok", "cancelled", "errors", "tokens")}
     figures |= {"seconds": round(seconds, 1), "requests_per_s": round(summary["completed"] / seconds, 2)}
-    print(f"{summary['completed']} requests in {seconds:.0f} s ({figures['requests_per_s']} req/s), "
-          f"{summary['tokens']} tokens; ok {summary['ok']}, cancelled {summary['cancelled']}, "
-          f"errors {summary['errors']} (target 0)")
+    print(
+        f"{summary['completed']} requests in {seconds:.0f} s ({figures['requests_per_s']} req/s), "
+        f"{summary['tokens']} tokens; ok {summary['ok']}, cancelled {summary['cancelled']}, "
+        f"errors {summary['errors']} (target 0)"
+    )
     print("routes: " + ", ".join(f"{k} {v}" for k, v in sorted(summary["routes"].items())))
     print("endings: " + ", ".join(f"{k} {v}" for k, v in sorted(summary["endings"].items())))
     for message in summary["first_errors"]:
         print(f"  error {message}")
-    print(f"{'process':8} {'load':>8} {'@500':>8} {'end':>8} {'peak':>8} {'end/500':>8} "
-          f"{'MB/1k (2nd half, slope; end-mid)':>34}  target <= {TARGET_GROWTH_MB_PER_1K}")
+    print(
+        f"{'process':8} {'load':>8} {'@500':>8} {'end':>8} {'peak':>8} {'end/500':>8} "
+        f"{'MB/1k (2nd half, slope; end-mid)':>34}  target <= {TARGET_GROWTH_MB_PER_1K}"
+    )
     for name in PROCESSES:
         own = process_figures(samples, peaks, name, args.requests)
         figures |= own
         values = [own[f"{name}_rss_{key}_mb"] for key in ("load", "500", "end", "peak")]
         slope, end_minus_mid = own[f"{name}_growth_mb_per_1k"], own[f"{name}_growth_end_minus_mid_mb_per_1k"]
         verdict = "met" if slope <= TARGET_GROWTH_MB_PER_1K else "MISSED"
-        print(f"{name:8} " + " ".join(f"{v:8.1f}" for v in values) + f" {own[f'{name}_end_over_500']:8.3f} "
-              f"{slope:22.3f}; {end_minus_mid:9.3f}  {verdict}")
+        print(
+            f"{name:8} " + " ".join(f"{v:8.1f}" for v in values) + f" {own[f'{name}_end_over_500']:8.3f} "
+            f"{slope:22.3f}; {end_minus_mid:9.3f}  {verdict}"
+        )
     blocks_slope, _ = second_half_slopes([(c, float(b)) for c, b in samples.blocks], args.requests)
     last_blocks = samples.blocks[-1][1]
-    print(f"client Python heap: {last_blocks} live blocks at the end, {blocks_slope:+.0f} per 1,000 requests over the "
-          "second half (objects kept alive grow this; RSS growing while it stays flat is the allocator keeping freed "
-          "memory; it moves with what is in flight at each sample)")
+    print(
+        f"client Python heap: {last_blocks} live blocks at the end, {blocks_slope:+.0f} per 1,000 requests over the "
+        "second half (objects kept alive grow this; RSS growing while it stays flat is the allocator keeping freed "
+        "memory; it moves with what is in flight at each sample)"
+    )
     figures |= {"client_py_blocks_end": last_blocks, "client_py_blocks_growth_per_1k": round(blocks_slope)}
     if args.requests < 500:
         print("(the run is shorter than 500 requests: @500 is the end)")
     series = (summary["gateway_metric_series_load"], summary["gateway_metric_series_end"])
-    print(f"gateway /metrics series: {series[0]} at load, {series[1]} at the end; "
-          f"torch in the client process: {summary['torch_imported']}")
+    print(
+        f"gateway /metrics series: {series[0]} at load, {series[1]} at the end; "
+        f"torch in the client process: {summary['torch_imported']}"
+    )
     figures |= {"gateway_metric_series_end": series[1], "client_imported_torch": summary["torch_imported"]}
     figures["error_kinds"] = {k: v for k, v in summary["endings"].items() if k.startswith("error:")}
     return figures
@@ -700,8 +713,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.requests, args.sample_every = 300, 25
     workdir = Path(tempfile.mkdtemp(prefix="llmq-bench-soak-"))
-    print(f"{args.requests} requests, {args.concurrency} in flight, model {args.model}, "
-          f"{os.cpu_count()} cores; logs and samples in {workdir}", flush=True)
+    print(
+        f"{args.requests} requests, {args.concurrency} in flight, model {args.model}, "
+        f"{os.cpu_count()} cores; logs and samples in {workdir}",
+        flush=True,
+    )
     try:
         figures = run(args, workdir)
     except BaseException:

@@ -6,7 +6,8 @@
 Requests with prompts of `--prompt` tokens (plus 4 per request, so lengths differ) are started together; once every
 row decodes, the profiler runs in the engine's thread for `--steps` steps. Self CPU time is summed by op family.
 `--kernel-source` builds the native decode kernel from another file, to compare two versions on one machine, e.g.
-`git show REV:worker/engine/paged_decode.c > /tmp/old.c`, then a run with `--kernel-source /tmp/old.c` and one without.
+`git show REV:worker/engine/kernels/paged_decode.c > /tmp/old.c`, then a run with `--kernel-source /tmp/old.c` and one
+without.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Any
 import torch
 
 from bench.workload import load_bench_model, print_json
-from worker.engine import Engine, EngineConfig, EngineRequest, GenerationParams, cpu_kernels
+from worker.engine import Engine, EngineConfig, EngineRequest, GenerationParams, Step
+from worker.engine.kernels import cpu_kernels
 from worker.engine.loader import DEFAULT_MODEL, LoadOptions, load_model
 
 KERNEL_RANGE = "llmq::paged_decode"  # the native kernels are no torch ops: timed as ranges of these names
@@ -87,7 +89,8 @@ async def profile(model: Any, tokenizer: Any, rows: int, steps: int, prompt: int
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     state = {"full_steps": 0, "profiled": 0, "start": 0.0, "end": 0.0}
 
-    def observe(tokens: int) -> None:  # in the engine's thread, after each step
+    def observe(step: Step) -> None:  # in the engine's thread, after each step
+        tokens = step.tokens
         if state["end"]:
             return
         if not state["start"]:

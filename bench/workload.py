@@ -34,7 +34,7 @@ def load_bench_model(quick: bool) -> tuple[Any, Any, str]:
     from worker.engine.loader import DEFAULT_MODEL, LoadOptions, load_model
 
     if quick:
-        from tests.tiny_models import save_tiny_model
+        from testing.tiny_models import save_tiny_model
 
         folder = save_tiny_model(Path(tempfile.mkdtemp(prefix="llmq-bench-")), "llama", max_positions=2048)
         model, tokenizer = load_model(str(folder), LoadOptions(cache_dir=folder / "cache"))
