@@ -94,7 +94,7 @@ async def test_a_plain_url_to_a_cluster_node_or_a_sentinel_is_refused_naming_the
         await redis.aclose()
     # the CLI on a plain URL to a node that does not own the queue's slot: explained, not a bare MOVED payload
     other = redis_cluster.queue_on(redis_cluster.masters()[1])
-    assert await asyncio.to_thread(cli, ["status", "--url", node.url, "--queue", other]) == 1
+    assert await asyncio.to_thread(cli, ["status", "--url", node.url, "--queue", other]) == 4  # Exit.UNAVAILABLE
     assert "redis+cluster://" in capsys.readouterr().err
 
 

@@ -368,7 +368,7 @@ async def test_refused_credentials_fail_every_call_at_once_not_after_the_window(
             llmq_async("cancel", "some-id", "--url", refused["unknown user"]),
         )
         for run in runs:
-            assert run.returncode == 1 and run.seconds < 10, run
+            assert run.returncode == 4 and run.seconds < 10, run  # Exit.UNAVAILABLE
             assert run.stderr.strip().splitlines()[-1].startswith("llmq: error:"), run.stderr
             assert "Traceback" not in run.stderr, run.stderr
             assert_no_secret(run.stdout + run.stderr)
@@ -617,7 +617,7 @@ def test_an_outage_longer_than_the_readers_budget_ends_followed_streams_with_red
         assert outcome.error is not None
         assert_typed(outcome.error)
     cli = long_outage.cli
-    assert cli.returncode == 1, cli
+    assert cli.returncode == 4, cli  # Exit.UNAVAILABLE
     assert cli.stderr.strip().splitlines()[-1].startswith("llmq: error:"), cli.stderr
     assert "Traceback" not in cli.stderr
     assert_no_secret(cli.stdout + cli.stderr)

@@ -117,7 +117,7 @@ def test_partition_counts_out_of_range_are_refused_by_every_component(
             Settings(_env_file=None, queue_partitions=bad)  # type: ignore[call-arg]
         with pytest.raises(ValidationError):
             GatewaySettings(_env_file=None, queue_partitions=bad)  # type: ignore[call-arg]
-        assert cli(["status", "--url", unreachable, "--partitions", str(bad)]) == 1
+        assert cli(["status", "--url", unreachable, "--partitions", str(bad)]) == 2  # Exit.USAGE
         err = capsys.readouterr().err
         assert "partitions must be in [1, 1024]" in err and "Traceback" not in err
     monkeypatch.setenv("LLMQ_QUEUE_PARTITIONS", "4")

@@ -258,7 +258,7 @@ def test_llmq_explains_a_cluster_url_that_reaches_no_node(capsys: pytest.Capture
     """`llmq status --url redis+cluster://<nothing listening>`: one line, not a traceback (redis-py raises
     RedisClusterException there, which is no RedisError)."""
     url = f"redis+cluster://:hunter2@{HOST}:{free_port()}"
-    assert cli(["status", "--url", url, "--queue", "q"]) == 1
+    assert cli(["status", "--url", url, "--queue", "q"]) == 4  # Exit.UNAVAILABLE
     err = capsys.readouterr().err
     assert err.startswith("llmq: error:") and len(err.strip().splitlines()) == 1
     assert_no_secret(err)
@@ -620,7 +620,7 @@ async def test_llmq_submit_and_cancel_on_a_plain_url_to_the_wrong_node_name_the_
     node = redis_cluster.masters()[0]
     elsewhere = redis_cluster.queue_on(redis_cluster.masters()[2])
     for argv in (["submit", "hi", "--max-new-tokens", "2", "--timeout", "5"], ["cancel", "some-id"]):
-        assert await asyncio.to_thread(cli, [*argv, "--url", node.url, "--queue", elsewhere]) == 1
+        assert await asyncio.to_thread(cli, [*argv, "--url", node.url, "--queue", elsewhere]) == 4  # Exit.UNAVAILABLE
         err = capsys.readouterr().err
         assert "redis+cluster://" in err and "MOVED" not in err, err
     client = Client(node.url, queue=elsewhere)  # the library itself refuses the plain URL up front
@@ -721,7 +721,7 @@ async def test_wrong_credentials_and_an_unknown_service_on_a_sentinel_url_fail_c
     assert isinstance(caught.value.__cause__, redis.AuthenticationError)
     assert_no_secret(str(caught.value))
     capsys.readouterr()
-    assert await asyncio.to_thread(cli, ["status", "--url", wrong_data, "--queue", "default"]) == 1
+    assert await asyncio.to_thread(cli, ["status", "--url", wrong_data, "--queue", "default"]) == 4  # Exit.UNAVAILABLE
     err = capsys.readouterr().err
     assert err.startswith("llmq: error:") and len(err.strip().splitlines()) == 1, err
     assert_no_secret(err)
@@ -746,7 +746,7 @@ async def test_wrong_credentials_and_an_unknown_service_on_a_sentinel_url_fail_c
         with pytest.raises(RedisUnavailable):
             await client.submit("never accepted")
     capsys.readouterr()
-    assert await asyncio.to_thread(cli, ["status", "--url", unknown, "--queue", "default"]) == 1
+    assert await asyncio.to_thread(cli, ["status", "--url", unknown, "--queue", "default"]) == 4  # Exit.UNAVAILABLE
     err = capsys.readouterr().err
     assert "no-such-service" in err
     assert_no_secret(err)

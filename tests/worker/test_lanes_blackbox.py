@@ -356,9 +356,9 @@ async def test_cli_submit_priority_goes_to_that_lane(fleet: Fleet) -> None:
     common = ("--url", fleet.url, "--queue", "cli-submit", "--timeout", "0.3", "--max-new-tokens", "4")
     for name in LANE_NAMES:  # no worker on this queue: each request stays in its lane, the CLI times out
         done = await asyncio.to_thread(run_cli, "submit", f"hello {name}", "--priority", name, *common)
-        assert done.returncode == 1 and "request " in done.stderr, done.stderr
+        assert done.returncode == 3 and "request " in done.stderr, done.stderr  # Exit.TIMEOUT
     done = await asyncio.to_thread(run_cli, "submit", "hello", *common)  # no --priority: the default lane
-    assert done.returncode == 1
+    assert done.returncode == 3  # Exit.TIMEOUT
     refused = await asyncio.to_thread(run_cli, "submit", "hello", "--priority", "urgent", *common)
     assert refused.returncode == 2 and "invalid choice" in refused.stderr
     async with AsyncClient(fleet.url, queue="cli-submit") as client:
