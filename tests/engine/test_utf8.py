@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from testing.tiny_models import build_tokenizer
 from worker.engine.constraints import Grammars, json_schema_format, mask_rows
+from worker.engine.outputs import IncrementalDetokenizer
 from worker.engine.utf8 import COMPLETE, INVALID, STATES, Utf8Masks, pack_bits
 
 # Every proper prefix of a valid encoded character: characters 64 apart share all but their last byte.
@@ -116,7 +117,7 @@ def test_with_single_byte_tokens_a_character_can_always_be_completed(
         token = options[choice % len(options)]
         output, state = output + vocabulary[token], masks.next_state[state][token]
         completion = _shortest_completion(masks, vocabulary, state)
-        assert completion is not None and (output + completion).decode("utf-8")
+        assert completion is not None and _decodes(output + completion)
 
 
 def _shortest_completion(masks: Utf8Masks, vocabulary: list[bytes], state: int) -> bytes | None:
@@ -198,3 +199,12 @@ def test_the_surrogate_the_issue_found_is_refused() -> None:
     assert matcher.accept_token(TOKEN_BYTES.index(b"\x9f"))  # ED 9F: below the surrogates
     assert not matcher.accept_token(TOKENIZER.eos_token_id)  # mid-character
     assert matcher.accept_token(TOKEN_BYTES.index(b"\xbf"))  # U+D7FF
+
+
+def test_without_a_grammar_a_split_character_is_held_back_and_only_an_end_inside_it_shows_u_fffd() -> None:
+    emoji = TOKENIZER.encode("😀", add_special_tokens=False)
+    assert len(emoji) == 3
+    detokenizer = IncrementalDetokenizer(TOKENIZER, [5, 6])
+    assert [detokenizer.push([token]) for token in emoji] == ["", "", "😀"]
+    cut = IncrementalDetokenizer(TOKENIZER, [5, 6])
+    assert [cut.push([token]) for token in emoji[:2]] == ["", ""] and cut.finish() == "\ufffd"
