@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +35,48 @@ SCHEMA = {
 ANSWER = '{"name": "Ada Lovelace", "age": 36, "tags": ["a", "c"], "address": {"city": "London"}}'
 
 
+def time_masks(
+    matchers: list[Any],
+    answer: list[int],
+    bitmask: torch.Tensor,
+    vocab: int,
+    fill: Callable[[Any, torch.Tensor, int], object],
+    apply: Callable[[torch.Tensor, torch.Tensor], object],
+    accept: Callable[[Any, int], object],
+) -> tuple[float, bool]:
+    """Seconds per step to mask one row per matcher and apply the masks, the rows stepping through `answer` as the
+    engine steps its rows, and whether every step allowed (and every matcher accepted) the answer's next token."""
+    logits, allowed, masking = torch.zeros(len(matchers), vocab), True, 0.0
+    for token in answer:
+        started = time.perf_counter()
+        for row, matcher in enumerate(matchers):
+            fill(matcher, bitmask, row)
+        apply(logits, bitmask)
+        masking += time.perf_counter() - started
+        allowed = allowed and bool((logits[:, token] > float("-inf")).all())
+        logits.zero_()
+        for matcher in matchers:
+            allowed = bool(accept(matcher, token)) and allowed
+    return masking / len(answer), allowed
+
+
+def time_xgrammar_masks(
+    matchers: list[Any], answer: list[int], bitmask: torch.Tensor, vocab: int
+) -> tuple[float, bool]:
+    """`time_masks` for xgrammar's matchers (and `TextMatcher`, which has their interface)."""
+    import xgrammar
+
+    return time_masks(
+        matchers,
+        answer,
+        bitmask,
+        vocab,
+        fill=lambda matcher, mask, row: matcher.fill_next_token_bitmask(mask, row),
+        apply=xgrammar.apply_token_bitmask_inplace,
+        accept=lambda matcher, token: matcher.accept_token(token),
+    )
+
+
 def measure_xgrammar(tokenizer: Any, vocab: int, answer: list[int]) -> dict[str, float]:
     import xgrammar
 
@@ -44,18 +87,8 @@ def measure_xgrammar(tokenizer: Any, vocab: int, answer: list[int]) -> dict[str,
     compiled_at = time.perf_counter()
     matchers = [xgrammar.GrammarMatcher(compiled) for _ in range(ROWS)]
     bitmask = xgrammar.allocate_token_bitmask(ROWS, vocab)
-    logits, allowed, masking = torch.zeros(ROWS, vocab), True, 0.0
-    for token in answer:
-        step = time.perf_counter()
-        for row, matcher in enumerate(matchers):
-            matcher.fill_next_token_bitmask(bitmask, row)
-        xgrammar.apply_token_bitmask_inplace(logits, bitmask)
-        masking += time.perf_counter() - step
-        allowed = allowed and bool(logits[0, token] > float("-inf"))
-        logits.zero_()
-        for matcher in matchers:
-            matcher.accept_token(token)
-    return _figures(setup - started, compiled_at - setup, masking / len(answer), allowed)
+    mask_s, allowed = time_xgrammar_masks(matchers, answer, bitmask, vocab)
+    return _figures(setup - started, compiled_at - setup, mask_s, allowed)
 
 
 def measure_llguidance(tokenizer: Any, vocab: int, answer: list[int]) -> dict[str, float]:
@@ -70,18 +103,16 @@ def measure_llguidance(tokenizer: Any, vocab: int, answer: list[int]) -> dict[st
     matchers = [llguidance.LLMatcher(table, grammar) for _ in range(ROWS)]
     compiled_at = time.perf_counter()
     bitmask = llguidance.torch.allocate_token_bitmask(ROWS, table.vocab_size)
-    logits, allowed, masking = torch.zeros(ROWS, vocab), True, 0.0
-    for token in answer:
-        step = time.perf_counter()
-        for row, matcher in enumerate(matchers):
-            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
-        llguidance.torch.apply_token_bitmask_inplace(logits, bitmask)
-        masking += time.perf_counter() - step
-        allowed = allowed and bool(logits[0, token] > float("-inf"))
-        logits.zero_()
-        for matcher in matchers:
-            matcher.consume_token(token)
-    return _figures(setup - started, compiled_at - setup, masking / len(answer), allowed)
+    mask_s, allowed = time_masks(
+        matchers,
+        answer,
+        bitmask,
+        vocab,
+        fill=llguidance.torch.fill_next_token_bitmask,
+        apply=llguidance.torch.apply_token_bitmask_inplace,
+        accept=lambda matcher, token: matcher.consume_token(token),
+    )
+    return _figures(setup - started, compiled_at - setup, mask_s, allowed)
 
 
 def _figures(setup_s: float, compile_s: float, mask_s: float, allowed: bool) -> dict[str, Any]:
