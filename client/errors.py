@@ -11,7 +11,7 @@ Our exception hierarchy:
 
 * LLMQError
   + QueueFull                  - the queue's backlog is at `max_queue_len`; retry later.
-  + RequestFailed              - the request ended with an `error` event (`.code`, `.retryable`).
+  + RequestFailed              - the request ended with an `error` event (`.code`, `.retryable`, `.param`).
   | + RequestExpired           - its deadline passed before a worker got to it.
   + Cancelled                  - it was cancelled; `.result` holds the partial output.
   + ResultTimeout              - (also a `TimeoutError`) no terminal event within the caller's timeout.
@@ -20,7 +20,7 @@ Our exception hierarchy:
   + ProtocolError              - (also a `ValueError`) bytes or fields that break the wire protocol.
     + MalformedEntry           - not msgpack, not a map, or no usable `v`/`id`.
     + UnsupportedVersion       - `v` is not this client's `PROTOCOL_VERSION`.
-    + InvalidRequest           - a request that fails validation or `RequestLimits`.
+    + InvalidRequest           - a request that fails validation or `RequestLimits` (`.param`: which field).
       + LimitExceeded          - names the limit in `.limit`.
 
 This module imports nothing from the package, so every other module can import it.
@@ -40,15 +40,25 @@ class QueueFull(LLMQError):
 
 
 class RequestFailed(LLMQError):
-    """The worker answered with an `error` event; `code` is the wire code (a str, possibly unknown)."""
+    """The worker answered with an `error` event; `code` is the wire code (a str, possibly unknown). `param` names
+    the request field it refused, by its wire name (`params.max_new_tokens`, `input_ids`...), when one field was
+    the reason (None otherwise, and from workers older than the field)."""
 
-    def __init__(self, code: str, message: str, retryable: bool = False, request_id: str | None = None) -> None:
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        retryable: bool = False,
+        request_id: str | None = None,
+        param: str | None = None,
+    ) -> None:
         who = f"request {request_id!r}" if request_id else "request"
         super().__init__(f"{who} failed ({code}): {message}")
         self.request_id = request_id
         self.code = str(code)
         self.message = message
         self.retryable = retryable
+        self.param = param
 
 
 class RequestExpired(RequestFailed):
@@ -108,12 +118,18 @@ class UnsupportedVersion(ProtocolError):
 
 
 class InvalidRequest(ProtocolError):
-    """A request that fails schema validation (types, ranges, unknown fields) or `RequestLimits`."""
+    """A request that fails schema validation (types, ranges, unknown fields) or `RequestLimits`; `param` is the
+    wire name of the field at fault (`params.stop`, `messages`...) when one field is."""
+
+    def __init__(self, message: str, request_id: str | None = None, param: str | None = None) -> None:
+        super().__init__(message, request_id)
+        self.param = param
 
 
 class LimitExceeded(InvalidRequest):
-    """A request over one of `RequestLimits`; `limit` is the field name, e.g. `max_prompt_bytes`."""
+    """A request over one of `RequestLimits`; `limit` is the limit's name, e.g. `max_prompt_bytes`, and `param` the
+    field it measures."""
 
-    def __init__(self, limit: str, message: str, request_id: str | None = None) -> None:
-        super().__init__(message, request_id)
+    def __init__(self, limit: str, message: str, request_id: str | None = None, param: str | None = None) -> None:
+        super().__init__(message, request_id, param)
         self.limit = limit

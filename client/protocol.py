@@ -239,6 +239,14 @@ def _has_schema(value: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
+class _FieldError(ValueError):
+    """A check across fields that blames one of them: `field` is its wire name, for `InvalidRequest.param`."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class JsonSchemaFormat(_Wire):
     """Output constrained to a JSON schema, in OpenAI's shape: `json_schema` = {`name`, `schema`, `strict`}."""
 
@@ -286,9 +294,12 @@ class SamplingParams(_Wire):
     @model_validator(mode="after")
     def _consistent(self) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs")
+            raise _FieldError("params.top_logprobs", "top_logprobs needs logprobs")
         if self.response_format is not None and self.ignore_eos:
-            raise ValueError("a response_format ends its output with EOS: ignore_eos cannot be combined with it")
+            raise _FieldError(
+                "params.response_format",
+                "a response_format ends its output with EOS: ignore_eos cannot be combined with it",
+            )
         return self
 
 
@@ -377,17 +388,17 @@ class GenerateRequest(_Wire):
     def check_limits(self, limits: RequestLimits) -> None:
         """Raise `LimitExceeded` naming the first limit this request is over."""
         stop = self.params.stop
-        measured = (
-            ("max_prompt_bytes", self.prompt_bytes()),
-            ("max_input_ids", len(self.input_ids or ())),
-            ("max_new_tokens", self.params.max_new_tokens),
-            ("max_stop", len(stop)),
-            ("max_stop_bytes", max((len(s.encode()) for s in stop), default=0)),
+        measured = (  # (limit, the field it measures, its value)
+            ("max_prompt_bytes", "prompt" if self.prompt is not None else "messages", self.prompt_bytes()),
+            ("max_input_ids", "input_ids", len(self.input_ids or ())),
+            ("max_new_tokens", "params.max_new_tokens", self.params.max_new_tokens),
+            ("max_stop", "params.stop", len(stop)),
+            ("max_stop_bytes", "params.stop", max((len(s.encode()) for s in stop), default=0)),
         )
-        for limit, value in measured:
+        for limit, param, value in measured:
             bound = getattr(limits, limit)
             if value > bound:
-                raise LimitExceeded(limit, f"{limit}: {value} is over the limit of {bound}", self.id)
+                raise LimitExceeded(limit, f"{limit}: {value} is over the limit of {bound}", self.id, param)
 
 
 FinishReason = Literal["stop", "length", "eos", "cancelled"]
@@ -439,6 +450,9 @@ class ErrorEvent(_Wire):
     code: Annotated[ErrorCode | str, Field(union_mode="left_to_right")]
     message: str
     retryable: Annotated[bool, Field(strict=True)] = False
+    # The request field refused, by its wire name (`params.max_new_tokens`, `input_ids`, `messages`...), when one
+    # field was the reason. Written only then: a reader older than the field refuses an event that carries it.
+    param: Annotated[str, Field(max_length=128)] | None = None
 
 
 class Completion(_Wire):
@@ -581,12 +595,23 @@ def _salvage_id(raw: bytes) -> str | None:
     return _valid_id(data) if isinstance(data, dict) else None
 
 
+def _param(exc: ValidationError) -> str | None:
+    """The wire name of the field the first error is about: `params.<name>` or a top-level field (`input_ids`, not
+    `input_ids.3`); what a `_FieldError` names for a check across fields; None for a check of the whole request."""
+    first = exc.errors(include_url=False, include_input=False)[0]
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, _FieldError):
+        return cause.field
+    names = [str(part) for part in first["loc"] if isinstance(part, str)]
+    return ".".join(names[: 2 if names[:1] == ["params"] else 1]) or None
+
+
 def parse_request(data: dict[str, Any]) -> GenerateRequest:
-    """Validate request fields; raise `InvalidRequest` with a one-line summary."""
+    """Validate request fields; raise `InvalidRequest` with a one-line summary and the field at fault."""
     try:
         return GenerateRequest.model_validate(data)
     except ValidationError as exc:
-        raise InvalidRequest(f"invalid request: {_summarize(exc)}", _valid_id(data)) from None
+        raise InvalidRequest(f"invalid request: {_summarize(exc)}", _valid_id(data), _param(exc)) from None
 
 
 def decode_request(raw: bytes) -> GenerateRequest:
@@ -639,4 +664,4 @@ _FAILURES: dict[str, type[RequestFailed]] = {ErrorCode.EXPIRED: RequestExpired}
 def error_from_event(event: ErrorEvent, request_id: str | None = None) -> RequestFailed:
     """The exception for a terminal `error` event; unknown codes map to `RequestFailed` itself."""
     cls = _FAILURES.get(str(event.code), RequestFailed)
-    return cls(str(event.code), event.message, event.retryable, request_id)
+    return cls(str(event.code), event.message, event.retryable, request_id, event.param)

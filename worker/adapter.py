@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.protocol import ErrorCode, GenerateRequest, JsonObjectFormat, JsonSchemaFormat, RegexFormat, ResponseFormat
+from client.protocol import (
+    ErrorCode,
+    ErrorEvent,
+    GenerateRequest,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    RegexFormat,
+    ResponseFormat,
+)
 from worker.config import Settings
 from worker.engine import (
     EngineClosed,
@@ -43,6 +51,13 @@ def wire_error(error: EngineError) -> WireError:
         if cls in ERRORS:
             return ERRORS[cls]
     return ERRORS[EngineError]
+
+
+def error_event(error: EngineError) -> ErrorEvent:
+    """The terminal `error` event an engine error ends its request with, naming the field a rejection blames."""
+    wire = wire_error(error)
+    param = error.param if isinstance(error, RequestRejected) else None
+    return ErrorEvent(code=wire.code, message=str(error), retryable=wire.retryable, param=param)
 
 
 def engine_request(

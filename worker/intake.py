@@ -86,15 +86,16 @@ class Answer:
         notify: str | None = None,
         lane: Lane = "default",
         partition: int = 0,
+        param: str | None = None,  # the request field refused, when one is
     ) -> Answer:
         """An `error` event for a request that is not run, unfenced (no attempt of it started)."""
         target = Target(
             request_id, result_ttl, entry_id=entry_id, reply_to=reply_to, notify=notify, lane=lane, partition=partition
         )
-        return cls(target, ErrorEvent(code=code, message=message), rejected=message)
+        return cls(target, ErrorEvent(code=code, message=message, param=param), rejected=message)
 
     @classmethod
-    def rejecting(cls, accepted: Accepted, code: ErrorCode, message: str) -> Answer:
+    def rejecting(cls, accepted: Accepted, code: ErrorCode, message: str, param: str | None = None) -> Answer:
         """A readable request's refusal, which goes where its events would have gone."""
         request = accepted.request
         return cls.error(
@@ -107,6 +108,7 @@ class Answer:
             accepted.notify,
             accepted.lane,
             accepted.partition,
+            param,
         )
 
 
@@ -145,8 +147,13 @@ def decide(
     except (UnsupportedVersion, InvalidRequest) as error:
         if error.request_id is None:
             return Letter(entry_id, raw, str(error), lane)
-        code = ErrorCode.UNSUPPORTED_VERSION if isinstance(error, UnsupportedVersion) else ErrorCode.INVALID_REQUEST
-        return Answer.error(entry_id, error.request_id, code, str(error), notify=notify, lane=lane, partition=partition)
+        if isinstance(error, UnsupportedVersion):
+            code, param = ErrorCode.UNSUPPORTED_VERSION, None
+        else:
+            code, param = ErrorCode.INVALID_REQUEST, error.param
+        return Answer.error(
+            entry_id, error.request_id, code, str(error), notify=notify, lane=lane, partition=partition, param=param
+        )
     except MalformedEntry as error:
         return Letter(entry_id, raw, str(error), lane)
     trace = tuple(decode_trace(fields.get(TRACE_FIELD)).items())
@@ -154,7 +161,7 @@ def decide(
     try:
         request.check_limits(limits)
     except InvalidRequest as error:
-        return Answer.rejecting(accepted, ErrorCode.INVALID_REQUEST, str(error))
+        return Answer.rejecting(accepted, ErrorCode.INVALID_REQUEST, str(error), error.param)
     expired = request.deadline is not None and request.deadline <= (now_ms if now_ms is not None else ms_now())
     if check_deadline and expired:
         return Answer.rejecting(accepted, ErrorCode.EXPIRED, "the deadline passed before generation started")

@@ -157,7 +157,10 @@ class Engine:
         delivered = list(request.resume.token_ids) if request.resume is not None else []
         state = RowState(params, context=[], generated=delivered)
         if params.output_format is not None:
-            state.matcher = self._grammars.matcher(params.output_format)
+            try:
+                state.matcher = self._grammars.matcher(params.output_format)
+            except RequestRejected as error:  # the format does not compile, or this worker cannot apply one
+                raise RequestRejected(str(error), param="params.response_format") from error
             if params.output_format.kind.startswith("json"):
                 state.forbidden = self._grammars.control_tokens()
             for token in delivered:

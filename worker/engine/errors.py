@@ -15,7 +15,12 @@ class EngineError(Exception):
 
 
 class RequestRejected(EngineError, ValueError):
-    """Rejected before it reached the model: empty prompt, ids outside the vocabulary, too long, bad params."""
+    """Rejected before it reached the model: empty prompt, ids outside the vocabulary, too long, bad params.
+    `param` names the request field at fault by its wire name (`input_ids`, `params.top_k`...) when one is."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class EngineFailed(EngineError):

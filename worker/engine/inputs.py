@@ -59,8 +59,8 @@ class InputProcessor:
             raise RequestRejected("give exactly one of prompt, messages or input_ids")
         prompt_ids = self._tokenize(request)
         if not prompt_ids:
-            raise RequestRejected("the prompt is empty")
-        self._check_length(len(prompt_ids), request.params.max_new_tokens)
+            raise RequestRejected("the prompt is empty", param=_source(request))
+        self._check_length(len(prompt_ids), request.params.max_new_tokens, _source(request))
         if request.resume is None:
             return PreparedRequest(request.request_id, prompt_ids, request.params, len(prompt_ids), request.suspect)
         delivered = self._check_ids(request.resume.token_ids)
@@ -76,49 +76,55 @@ class InputProcessor:
         if request.messages is not None:
             return self._render_chat(request.messages)
         if not isinstance(request.prompt, str):
-            raise RequestRejected("prompt must be a string")
+            raise RequestRejected("prompt must be a string", param="prompt")
         if not request.prompt:
             return []
         return list(self._tokenizer(request.prompt, add_special_tokens=True)["input_ids"])
 
     def _check_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise RequestRejected("input_ids must be a list of integers")
+            raise RequestRejected("input_ids must be a list of integers", param="input_ids")
         vocab = self.limits.vocab_size
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
-            raise RequestRejected(f"input_ids has {len(bad)} ids outside the vocabulary [0, {vocab}), e.g. {bad[0]}")
+            raise RequestRejected(
+                f"input_ids has {len(bad)} ids outside the vocabulary [0, {vocab}), e.g. {bad[0]}", param="input_ids"
+            )
         return list(ids)
 
     def _render_chat(self, messages: Any) -> list[int]:
         if not isinstance(messages, list) or not messages:
-            raise RequestRejected("messages must be a non-empty list")
+            raise RequestRejected("messages must be a non-empty list", param="messages")
         for message in messages:
             if (
                 not isinstance(message, dict)
                 or not isinstance(message.get("role"), str)
                 or not isinstance(message.get("content"), str)
             ):
-                raise RequestRejected("each message needs a string role and a string content")
+                raise RequestRejected("each message needs a string role and a string content", param="messages")
         if not getattr(self._tokenizer, "chat_template", None):
-            raise RequestRejected("this model has no chat template: send a prompt or input_ids instead")
+            raise RequestRejected(
+                "this model has no chat template: send a prompt or input_ids instead", param="messages"
+            )
         try:
             text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as error:  # a template may raise anything (jinja): it is still the caller's input
-            raise RequestRejected(f"the chat template rejected the messages: {error}") from error
+            raise RequestRejected(f"the chat template rejected the messages: {error}", param="messages") from error
         return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
+    def _check_length(self, prompt_tokens: int, max_new_tokens: int, source: str) -> None:
         total = prompt_tokens + max_new_tokens
         if total > self.limits.max_context:
             raise RequestRejected(
                 f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
-                f"model's context of {self.limits.max_context} tokens"
+                f"model's context of {self.limits.max_context} tokens",
+                param=source,
             )
         if total > self.limits.max_cached_tokens:
             raise RequestRejected(
                 f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds this "
-                f"worker's KV cache of {self.limits.max_cached_tokens} tokens"
+                f"worker's KV cache of {self.limits.max_cached_tokens} tokens",
+                param=source,
             )
 
 
@@ -134,31 +140,56 @@ def check_params(params: GenerationParams) -> None:
 
     if not is_int(params.max_new_tokens) or not 1 <= params.max_new_tokens <= MAX_NEW_TOKENS:
         raise RequestRejected(
-            f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS}], not {params.max_new_tokens}"
+            f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS}], not {params.max_new_tokens}",
+            param="params.max_new_tokens",
         )
     if not is_real(params.temperature) or not 0 <= params.temperature <= MAX_TEMPERATURE:
-        raise RequestRejected(f"temperature must be a number in [0, {MAX_TEMPERATURE}], got {params.temperature!r}")
+        raise RequestRejected(
+            f"temperature must be a number in [0, {MAX_TEMPERATURE}], got {params.temperature!r}",
+            param="params.temperature",
+        )
     if not is_real(params.top_p) or not 0 < params.top_p <= 1:
-        raise RequestRejected(f"top_p must be a number in (0, 1], got {params.top_p!r}")
+        raise RequestRejected(f"top_p must be a number in (0, 1], got {params.top_p!r}", param="params.top_p")
     if not is_int(params.top_k) or not 0 <= params.top_k <= MAX_TOP_K:
-        raise RequestRejected(f"top_k must be an integer in [0, {MAX_TOP_K}], got {params.top_k!r}")
+        raise RequestRejected(
+            f"top_k must be an integer in [0, {MAX_TOP_K}], got {params.top_k!r}", param="params.top_k"
+        )
     if not all(isinstance(s, str) and s for s in params.stop):
-        raise RequestRejected("stop must be a list of non-empty strings")
+        raise RequestRejected("stop must be a list of non-empty strings", param="params.stop")
     _check_row_params(params, is_int, is_real)
 
 
 def _check_row_params(params: GenerationParams, is_int: Any, is_real: Any) -> None:
     if params.seed is not None and (not is_int(params.seed) or not MIN_SEED <= params.seed <= MAX_SEED):
-        raise RequestRejected(f"seed must be an integer in [{MIN_SEED}, {MAX_SEED}], got {params.seed!r}")
+        raise RequestRejected(
+            f"seed must be an integer in [{MIN_SEED}, {MAX_SEED}], got {params.seed!r}", param="params.seed"
+        )
     if params.logprobs is not None and (not is_int(params.logprobs) or not 0 <= params.logprobs <= MAX_TOP_LOGPROBS):
-        raise RequestRejected(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {params.logprobs!r}")
+        raise RequestRejected(
+            f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {params.logprobs!r}",
+            param="params.top_logprobs",
+        )
     penalty = params.repetition_penalty
     if not is_real(penalty) or not MIN_REPETITION_PENALTY <= penalty <= MAX_REPETITION_PENALTY:
         bounds = f"[{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]"
-        raise RequestRejected(f"repetition_penalty must be a number in {bounds}, got {penalty!r}")
+        raise RequestRejected(
+            f"repetition_penalty must be a number in {bounds}, got {penalty!r}", param="params.repetition_penalty"
+        )
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(params, name)
         if not is_real(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
-            raise RequestRejected(f"{name} must be a number in [{-MAX_PENALTY}, {MAX_PENALTY}], got {value!r}")
+            raise RequestRejected(
+                f"{name} must be a number in [{-MAX_PENALTY}, {MAX_PENALTY}], got {value!r}", param=f"params.{name}"
+            )
     if params.output_format is not None and params.ignore_eos:
-        raise RequestRejected("a response format ends its output with EOS: ignore_eos cannot be combined with it")
+        raise RequestRejected(
+            "a response format ends its output with EOS: ignore_eos cannot be combined with it",
+            param="params.response_format",
+        )
+
+
+def _source(request: EngineRequest) -> str:
+    """The wire name of the field the request's prompt came from."""
+    if request.input_ids is not None:
+        return "input_ids"
+    return "messages" if request.messages is not None else "prompt"
