@@ -3,8 +3,11 @@ shared by `llmq batch` (`client/batch.py`) and the HTTP gateway (`gateway/`).
 
 Pure functions, no I/O. A field we cannot honour is refused by name (`FieldError`), never ignored: knobs the
 engine does not implement (`n > 1`, `logit_bias`, tools, ...) are accepted only at their no-op values, which
-some SDKs send by default. `seed`, `logprobs`/`top_logprobs`, the penalties and `response_format` (`text`,
-`json_object`, `json_schema`, and llmq's `regex`) are applied per request.
+some SDKs send by default; a few hints that change no answer (`prompt_cache_key`, `prompt_cache_options`,
+`prompt_cache_retention`, `safety_identifier`, `metadata`, a message's `name`) are accepted with any value of their
+type and dropped (docs/gateway.md lists what the popular SDKs send). `seed`,
+`logprobs`/`top_logprobs`, the penalties and `response_format` (`text`, `json_object`, `json_schema`, and llmq's
+`regex`) are applied per request.
 """
 
 from __future__ import annotations
@@ -23,13 +26,13 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
 
-# The wire's sampling fields under their OpenAI names (for errors that name the field the caller sent).
-_OPENAI_NAME = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
-_OPENAI_NAME |= {"stop": "stop", "seed": "seed", "logprobs": "logprobs", "top_logprobs": "top_logprobs"}
 _PASSED = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
-_OPENAI_NAME |= {name: name for name in _PASSED} | {"response_format": "response_format"}
 _SUPPORTED = {"model", "max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs", "response_format"}
 _SUPPORTED |= {"user", "stream", "stream_options", "service_tier", *_PASSED}
+# Hints for OpenAI's own cache, abuse detection and stored completions: accepted with any value of their type and
+# dropped, since none changes the answer (llmq stores nothing and caches prefixes by itself).
+_IGNORED: dict[str, type] = {"prompt_cache_key": str, "prompt_cache_retention": str, "prompt_cache_options": dict}
+_IGNORED |= {"safety_identifier": str, "metadata": dict}
 # Fields accepted only at a value that changes nothing (compared with their type: `0` is not `False`).
 _NO_OP: dict[str, tuple[Any, ...]] = {
     "n": (1,),
@@ -43,9 +46,11 @@ _NO_OP: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (True, False),  # without tools there is nothing to call in parallel
     "suffix": ("",),
     "store": (False,),
-    "metadata": ({},),
+    "modalities": (["text"],),
 }
 _MESSAGE_KEYS = {"role", "content"}
+_MESSAGE_IGNORED = {"name"}  # a participant's name: chat templates show role and content only (as vLLM does)
+_STREAM_OPTIONS = {"include_usage", "include_obfuscation"}  # obfuscation pads chunks against side channels: no-op
 # OpenAI's newer name for the system role; chat templates know "system".
 _ROLES = {"developer": "system"}
 _OPENAI_ROLES = ("system", "developer", "user", "assistant")  # "tool" and "function" need tools, which llmq lacks
@@ -71,6 +76,7 @@ class Translated:
     include_usage: bool = False
     user: str | None = None
     lane: Lane = "default"
+    max_tokens_field: str = "max_tokens"  # the field that carried the token budget, for errors that name it
 
 
 def lane_for(service_tier: object) -> Lane:
@@ -96,26 +102,32 @@ def translate(body: dict[str, Any], url: str) -> Translated:
     out.stream = _optional(body, "stream", bool) or False
     options = body.get("stream_options")
     if options is not None:
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise FieldError("stream_options", "only {'include_usage': bool} is supported")
+        if not isinstance(options, dict) or set(options) - _STREAM_OPTIONS:
+            raise FieldError("stream_options", f"only {' and '.join(sorted(_STREAM_OPTIONS))} (booleans) are supported")
         out.include_usage = _optional(options, "include_usage", bool, "stream_options.include_usage") or False
+        _optional(options, "include_obfuscation", bool, "stream_options.include_obfuscation")
     out.lane = lane_for(body.get("service_tier"))
     if body.get("service_tier") is not None:  # else the caller's default lane (`llmq batch`: batch)
         out.options["priority"] = out.lane
     params = _params(body, url)
-    _check_params(params, "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens")
+    if body.get("max_completion_tokens") is not None:
+        out.max_tokens_field = "max_completion_tokens"
+    _check_params(params, url, out.max_tokens_field)
     out.options |= params
     return out
 
 
 def _refuse_unsupported(body: dict[str, Any], source: str) -> None:
     for name in sorted(body):
-        if name in _SUPPORTED or name == source:
-            continue
         value = body[name]
+        if name in _SUPPORTED or name == source or value is None:  # null is JSON's "not set", as OpenAI reads it
+            continue
+        if name in _IGNORED:
+            _optional(body, name, _IGNORED[name])
+            continue
         if name not in _NO_OP:
             raise FieldError(name, "is not supported by llmq")
-        if value is not None and not any(type(value) is type(v) and value == v for v in _NO_OP[name]):
+        if not any(type(value) is type(v) and value == v for v in _NO_OP[name]):
             raise FieldError(name, f"only {' or '.join(map(repr, _NO_OP[name]))} is supported, not {value!r}")
 
 
@@ -146,7 +158,9 @@ def _message(index: int, message: Any) -> dict[str, str]:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise FieldError(where, "must be an object with role and content")
-    for key in sorted(set(message) - _MESSAGE_KEYS):
+    if message.get("name") is not None and not isinstance(message["name"], str):
+        raise FieldError(f"{where}.name", "must be a string")
+    for key in sorted(set(message) - _MESSAGE_KEYS - _MESSAGE_IGNORED):
         if message[key] is not None:
             raise FieldError(f"{where}.{key}", "is not supported by llmq")
     role, content = message.get("role"), message.get("content")
@@ -202,14 +216,30 @@ def _logprobs(body: dict[str, Any], url: str) -> dict[str, Any]:
     return {"logprobs": True, "top_logprobs": top or 0}
 
 
-def _check_params(params: dict[str, Any], max_tokens_name: str) -> None:
+def _check_params(params: dict[str, Any], url: str, max_tokens_field: str) -> None:
     try:
         SamplingParams.model_validate(params)
     except ValidationError as exc:
         error = exc.errors(include_url=False, include_input=False)[0]
-        wire = str(error["loc"][0]) if error["loc"] else ""
-        name = max_tokens_name if wire == "max_new_tokens" else _OPENAI_NAME.get(wire, wire)
-        raise FieldError(name, error["msg"]) from None
+        # A check across fields has no location but names the field it blames (its wire name), when it does.
+        blamed = getattr(error.get("ctx", {}).get("error"), "field", None)
+        wire = blamed if isinstance(blamed, str) else f"params.{error['loc'][0]}" if error["loc"] else ""
+        raise FieldError(openai_param(wire, url, max_tokens_field), error["msg"]) from None
+
+
+def openai_param(wire: str, url: str, max_tokens_field: str = "max_tokens") -> str:
+    """The OpenAI field behind a wire field (`prompt`, `messages`, `input_ids`, `params.<name>`), for an error that
+    names what the caller sent: the input is the endpoint's `messages` or `prompt` (the gateway may have sent it
+    as any of the three), `params.max_new_tokens` is `max_tokens_field`, and a completions request's
+    `params.top_logprobs` is its `logprobs`. A name with no OpenAI field stays as it is."""
+    if wire in ("prompt", "messages", "input_ids"):
+        return "messages" if url == CHAT else "prompt"
+    name = wire.removeprefix("params.")
+    if name == "max_new_tokens":
+        return max_tokens_field
+    if name == "top_logprobs" and url == COMPLETIONS:
+        return "logprobs"
+    return name
 
 
 def usage_body(usage: Usage) -> dict[str, int]:

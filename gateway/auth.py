@@ -15,11 +15,19 @@ from gateway.errors import APIError
 PROTECTED = "/v1/"
 
 
-def authorized(header: str | None, keys: list[bytes]) -> bool:
+def bearer_token(header: str | None) -> str | None:
+    """The key of an `Authorization: Bearer <key>` header (None for none, or for another scheme)."""
     scheme, _, given = (header or "").partition(" ")
     if scheme.lower() != "bearer" or not given.strip():
+        return None
+    return given.strip()
+
+
+def authorized(header: str | None, keys: list[bytes]) -> bool:
+    given = bearer_token(header)
+    if given is None:
         return False
-    token = given.strip().encode()
+    token = given.encode()
     matched = False
     for key in keys:
         matched |= hmac.compare_digest(token, key)

@@ -15,21 +15,27 @@ import json
 import math
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from client import AsyncJob, Delta, LLMQError, RequestFailed, ResultTimeout
-from client.errors import Cancelled
+from client.errors import Cancelled, RedisUnavailable
 from client.openai_format import CHAT, COMPLETIONS, Translated, completion_body, translate
+from gateway.auth import bearer_token
 from gateway.chunks import ChunkMaker
-from gateway.errors import APIError, from_exception, unknown_model
+from gateway.errors import APIError, from_exception, once_submitted, unknown_model
 from gateway.metrics import CLIENT_CLOSED, label_model
+from gateway.request_ids import request_id_for
 from gateway.sse import DONE, ClientGone, EventStream, event, unless_disconnected
 from gateway.state import Gateway
 
 TIMEOUT_HEADER = "X-Request-Timeout"
+# How long past a request's deadline the gateway still waits, so that a worker which reads the request after its
+# deadline has passed answers `expired` (408 `expired`) before the gateway gives up on it (408 `timeout`).
+EXPIRY_GRACE_S = 1.0
 
 
 async def chat_completions(request: Request) -> Response:
@@ -40,23 +46,51 @@ async def completions(request: Request) -> Response:
     return await _answer(request, COMPLETIONS)
 
 
+@dataclass
+class Call:
+    """What is known of one HTTP call so far, for the error that may end it: whether it carried an
+    `Idempotency-Key`, how it named its token budget, and its job once the submit began."""
+
+    url: str
+    idempotent: bool = False
+    max_tokens_field: str = "max_tokens"
+    submitting: bool = False  # from the submit on, a generation may exist
+    job: AsyncJob | None = None
+
+
 async def _answer(request: Request, url: str) -> Response:
     gateway: Gateway = request.app.state.gateway
     started = time.monotonic()
+    call = Call(url)
     try:
-        return await _complete(gateway, request, url, started)
+        return await _complete(gateway, request, call, started)
     except Exception as error:
-        answer = from_exception(error, retry_after_s=gateway.settings.retry_after_s)
+        answer = from_exception(
+            error, retry_after_s=gateway.settings.retry_after_s, url=url, max_tokens_field=call.max_tokens_field
+        )
+        if call.submitting:
+            answer = once_submitted(answer, idempotent=call.idempotent)
+        request_id = call.job.id if call.job is not None else None
         if answer.code == "internal":
-            gateway.log.exception("request_failed", route=url)
+            gateway.log.exception("request_failed", route=url, request_id=request_id)
         else:
-            gateway.log.info("request_refused", route=url, status=answer.status, code=answer.code, param=answer.param)
-        return answer.response()
+            gateway.log.info(
+                "request_refused",
+                route=url,
+                request_id=request_id,
+                status=answer.status,
+                code=answer.code,
+                param=answer.param,
+                retry=answer.retry,
+            )
+        return answer.response(request_id)
 
 
-async def _complete(gateway: Gateway, request: Request, url: str, started: float) -> Response:
+async def _complete(gateway: Gateway, request: Request, call: Call, started: float) -> Response:
+    url = call.url
     body = await read_json(request, gateway.settings.max_body_bytes)
     asked = translate(body, url)
+    call.max_tokens_field = asked.max_tokens_field
     if not asked.model:
         raise APIError(400, "model is required", code="invalid_request", param="model")
     served = await gateway.models.served()
@@ -66,18 +100,24 @@ async def _complete(gateway: Gateway, request: Request, url: str, started: float
     if asked.model in served:  # a served model's name, so a bounded label; a queue's name (accepted too) is none
         label_model(request.scope, asked.model)
     timeout = request_timeout(request.headers.get(TIMEOUT_HEADER), gateway.settings.request_timeout_s)
-    job = await gateway.client.submit(**asked.options, queue=queue, deadline=timeout)
-    answer = Answer(gateway, job, url, asked, started, timeout)
+    request_id, call.idempotent = request_id_for(request.headers, bearer_token(request.headers.get("authorization")))
+    call.submitting = True
+    job = await gateway.client.submit(**asked.options, queue=queue, deadline=timeout, request_id=request_id)
+    call.job = job
+    answer = Answer(gateway, job, url, asked, started, timeout + EXPIRY_GRACE_S, idempotent=call.idempotent)
     try:
         if asked.stream:
             return await answer.stream(request)
         return await answer.whole(request)
     except ClientGone:
-        await answer.cancel()
+        await answer.abandon()
         answer.log_done(CLIENT_CLOSED)
         return Response(status_code=CLIENT_CLOSED)
     except (RequestFailed, Cancelled):
         raise  # the request has ended: nothing to cancel
+    except RedisUnavailable:
+        await answer.abandon()  # a retry with its Idempotency-Key follows the same generation
+        raise
     except BaseException:  # a timeout, the server stopping, a bug: leave nothing running
         await answer.cancel()
         raise
@@ -109,7 +149,8 @@ def _too_large(limit: int) -> APIError:
 
 def request_timeout(header: str | None, default_s: float) -> float:
     """Seconds the request may take: `X-Request-Timeout` when given (at most `default_s`), else `default_s`.
-    It is both the deadline for a worker to start it (past it: 408) and the bound on waiting for its end."""
+    It is the deadline for a worker to start it (past it: 408 `expired`) and, with `EXPIRY_GRACE_S` more, the
+    bound on waiting for its end (past it: 408 `timeout`, and the request is cancelled)."""
     if header is None:
         return default_s
     try:
@@ -126,10 +167,18 @@ class Answer:
     """One submitted request on its way back to the HTTP client."""
 
     def __init__(
-        self, gateway: Gateway, job: AsyncJob, url: str, asked: Translated, started: float, timeout: float
+        self,
+        gateway: Gateway,
+        job: AsyncJob,
+        url: str,
+        asked: Translated,
+        started: float,
+        timeout: float,  # the wait for its end
+        *,
+        idempotent: bool = False,
     ) -> None:
         self.gateway, self.job, self.url, self.asked = gateway, job, url, asked
-        self.started, self.timeout = started, timeout
+        self.started, self.timeout, self.idempotent = started, timeout, idempotent
         self.model = asked.model or ""
         self.created = int(time.time())
         self.usage: tuple[int, int] | None = None
@@ -178,12 +227,19 @@ class Answer:
             if isinstance(error, ResultTimeout):
                 await self.cancel()
             ended = True
-            yield event(from_exception(error, retry_after_s=0).body())
+            answer = from_exception(error, retry_after_s=0, url=self.url, max_tokens_field=self.asked.max_tokens_field)
+            yield event(answer.body())
         finally:
-            if not ended:  # the client went away (or the server is stopping): stop generating
-                await self.cancel()
+            if not ended:  # the client went away (or the server is stopping)
+                await self.abandon()
             self.log_done(200 if ended else CLIENT_CLOSED)
         yield DONE
+
+    async def abandon(self) -> None:
+        """The caller went away: stop generating, unless it sent an `Idempotency-Key`, whose retry is to follow
+        this same generation (it runs to its end, within its `max_tokens`)."""
+        if not self.idempotent:
+            await self.cancel()
 
     async def cancel(self) -> None:
         """Ask the workers to stop the request; shielded, so a cancelled handler still sends it."""

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import pytest
+from starlette.datastructures import Headers
 
 from client import TokenLogprob
 from client.errors import (
@@ -14,14 +15,17 @@ from client.errors import (
     InvalidRequest,
     LimitExceeded,
     QueueFull,
+    RedisUnavailable,
     RequestExpired,
     RequestFailed,
     ResultTimeout,
 )
 from client.openai_format import CHAT, COMPLETIONS, FieldError, lane_for, logprobs_body, token_offsets, translate
-from gateway.auth import authorized
+from client.protocol import is_valid_name
+from gateway.auth import authorized, bearer_token
 from gateway.completions import request_timeout
-from gateway.errors import APIError, from_exception
+from gateway.errors import SHOULD_RETRY, APIError, from_exception, once_submitted
+from gateway.request_ids import idempotent_request_id, request_id_for
 from gateway.sse import event
 
 USER = [{"role": "user", "content": "hi"}]
@@ -62,8 +66,15 @@ def test_chat_body_becomes_submit_arguments() -> None:
 def test_logprobs_penalties_and_response_formats_are_applied() -> None:
     schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
     chat = translate(
-        {"messages": USER, "logprobs": True, "top_logprobs": 2, "presence_penalty": 0.5, "frequency_penalty": 0.1,
-         "repetition_penalty": 1.2, "response_format": schema},
+        {
+            "messages": USER,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0.1,
+            "repetition_penalty": 1.2,
+            "response_format": schema,
+        },
         CHAT,
     ).options
     assert (chat["logprobs"], chat["top_logprobs"], chat["response_format"]) == (True, 2, schema)
@@ -167,35 +178,91 @@ def test_service_tiers_map_to_lanes_in_one_place() -> None:
 
 
 @pytest.mark.parametrize(
-    ("error", "status", "code"),
+    ("error", "status", "code", "retry"),
     [
-        (FieldError("n", "no"), 400, "invalid_request"),
-        (LimitExceeded("max_new_tokens", "too many"), 400, "invalid_request"),
-        (InvalidRequest("bad"), 400, "invalid_request"),
-        (QueueFull("full"), 429, "queue_full"),
-        (RequestExpired("expired", "late"), 408, "expired"),
-        (ResultTimeout("r", 1.0, 0), 408, "timeout"),
-        (RequestFailed("invalid_request", "too long for the context"), 400, "invalid_request"),
-        (RequestFailed("engine_failed", "boom", retryable=True), 503, "engine_failed"),
-        (RequestFailed("delivery_limit", "workers kept dying"), 503, "delivery_limit"),
-        (RequestFailed("poison_request", "kills engines"), 500, "poison_request"),
-        (RequestFailed("internal", "bug"), 500, "internal"),
-        (RequestFailed("from_the_future", "?", retryable=True), 503, "from_the_future"),
-        (Cancelled(type("R", (), {"request_id": "r", "token_ids": []})()), 409, "cancelled"),
-        (RuntimeError("bug"), 500, "internal"),
+        (FieldError("n", "no"), 400, "invalid_request", False),
+        (LimitExceeded("max_new_tokens", "too many"), 400, "invalid_request", False),
+        (InvalidRequest("bad"), 400, "invalid_request", False),
+        (QueueFull("full"), 429, "queue_full", True),  # nothing was queued
+        (RequestExpired("expired", "late"), 408, "expired", False),
+        (ResultTimeout("r", 1.0, 0), 408, "timeout", False),
+        (RequestFailed("invalid_request", "too long for the context"), 400, "invalid_request", False),
+        (RequestFailed("engine_failed", "boom", retryable=True), 503, "engine_failed", True),  # it has ended
+        (RequestFailed("delivery_limit", "workers kept dying"), 503, "delivery_limit", False),
+        (RequestFailed("poison_request", "kills engines"), 500, "poison_request", False),
+        (RequestFailed("internal", "bug"), 500, "internal", False),
+        (RequestFailed("from_the_future", "?", retryable=True), 503, "from_the_future", True),
+        (Cancelled(type("R", (), {"request_id": "r", "token_ids": []})()), 409, "cancelled", False),
+        (RedisUnavailable("away"), 503, "unavailable", True),  # before the submit: nothing was queued
+        (RuntimeError("bug"), 500, "internal", False),
     ],
 )
-def test_error_table(error: Exception, status: int, code: str) -> None:
+def test_error_table(error: Exception, status: int, code: str, retry: bool) -> None:
     answer = from_exception(error, retry_after_s=2)
-    assert (answer.status, answer.code) == (status, code)
+    assert (answer.status, answer.code, answer.retry) == (status, code, retry)
     body = answer.body()["error"]
     assert set(body) == {"message", "type", "param", "code"} and body["message"]
     assert (answer.headers.get("Retry-After") == "2") == (status == 429)
+    response = answer.response("req-1")
+    assert response.headers[SHOULD_RETRY] == ("true" if retry else "false")
+    assert response.headers["x-request-id"] == "req-1"
+
+
+@pytest.mark.parametrize(
+    ("error", "plain", "idempotent"),
+    [
+        (RedisUnavailable("away"), False, True),  # it may still run: only a retry that follows it is safe
+        (RequestFailed("engine_failed", "boom", retryable=True), True, False),  # ended: a key would repeat it
+        (QueueFull("full"), True, True),  # nothing added, not even the id
+        (Cancelled(type("R", (), {"request_id": "r", "token_ids": []})()), False, False),
+        (ResultTimeout("r", 1.0, 0), False, False),
+        (RequestFailed("invalid_request", "no"), False, False),
+    ],
+)
+def test_retry_safety_once_a_generation_may_exist(error: Exception, plain: bool, idempotent: bool) -> None:
+    assert once_submitted(from_exception(error, retry_after_s=1), idempotent=False).retry is plain
+    assert once_submitted(from_exception(error, retry_after_s=1), idempotent=True).retry is idempotent
+
+
+def refused(code: str, wire: str | None) -> RequestFailed:
+    """A worker's refusal naming `wire` (set as an attribute: it works with and without `RequestFailed.param`)."""
+    error = RequestFailed(code, "refused")
+    error.param = wire
+    return error
+
+
+@pytest.mark.parametrize(
+    ("wire", "url", "field", "param"),
+    [
+        ("params.max_new_tokens", CHAT, "max_tokens", "max_tokens"),
+        ("params.max_new_tokens", CHAT, "max_completion_tokens", "max_completion_tokens"),
+        ("input_ids", COMPLETIONS, "max_tokens", "prompt"),
+        ("input_ids", CHAT, "max_tokens", "messages"),  # a chat's input is its messages, whatever the worker saw
+        ("messages", CHAT, "max_tokens", "messages"),
+        ("prompt", COMPLETIONS, "max_tokens", "prompt"),
+        ("params.top_logprobs", COMPLETIONS, "max_tokens", "logprobs"),
+        ("params.top_logprobs", CHAT, "max_tokens", "top_logprobs"),
+        ("params.response_format", CHAT, "max_tokens", "response_format"),
+        ("params.stop", COMPLETIONS, "max_tokens", "stop"),
+        (None, CHAT, "max_tokens", None),  # a worker older than the field
+    ],
+)
+def test_worker_refusals_name_the_openai_field(wire: str | None, url: str, field: str, param: str | None) -> None:
+    answer = from_exception(refused("invalid_request", wire), retry_after_s=1, url=url, max_tokens_field=field)
+    assert (answer.status, answer.param, answer.retry) == (400, param, False)
+    expired = from_exception(refused("expired", None), retry_after_s=1, url=url)
+    assert (expired.status, expired.code, expired.param) == (408, "expired", None)
 
 
 def test_limit_errors_name_the_openai_field() -> None:
     assert from_exception(LimitExceeded("max_new_tokens", "x"), retry_after_s=1).param == "max_tokens"
     assert from_exception(LimitExceeded("max_stop", "x"), retry_after_s=1).param == "stop"
+    budget = from_exception(
+        LimitExceeded("max_new_tokens", "x"), retry_after_s=1, max_tokens_field="max_completion_tokens"
+    )
+    assert budget.param == "max_completion_tokens"
+    prompt = from_exception(LimitExceeded("max_prompt_bytes", "x"), retry_after_s=1, url=CHAT)
+    assert prompt.param == "messages"
 
 
 def test_timeout_header() -> None:
@@ -213,6 +280,23 @@ def test_bearer_keys() -> None:
     assert authorized("Bearer k2", keys) and authorized("bearer k1", keys)
     for header in (None, "", "Bearer", "Bearer k3", "Basic k1", "k1", "Bearer k1x"):
         assert not authorized(header, keys), header
+    assert bearer_token("Bearer  k1 ") == "k1" and bearer_token("Basic k1") is None and bearer_token(None) is None
+
+
+def test_idempotency_keys_name_one_generation_per_api_key() -> None:
+    first = idempotent_request_id("key-a", "order-17")
+    assert first == idempotent_request_id("key-a", "order-17") and first.startswith("idem-")
+    others = {idempotent_request_id("key-b", "order-17"), idempotent_request_id(None, "order-17")}
+    others |= {idempotent_request_id("anonymous", "order-17"), idempotent_request_id("key-a", "order-18")}
+    assert first not in others and len(others) == 4
+    assert is_valid_name(first) and "key-a" not in first and "order-17" not in first
+    assert request_id_for(Headers({"idempotency-key": "order-17"}), "key-a") == (first, True)
+    fresh, idempotent = request_id_for(Headers({}), "key-a")
+    assert not idempotent and is_valid_name(fresh) and fresh != request_id_for(Headers({}), "key-a")[0]
+    for bad in ("", "x" * 256):
+        with pytest.raises(APIError) as caught:
+            request_id_for(Headers({"idempotency-key": bad}), None)
+        assert caught.value.status == 400 and caught.value.param == "Idempotency-Key"
 
 
 def test_an_event_stays_one_line_for_readers_that_split_on_unicode_line_breaks() -> None:
@@ -220,3 +304,61 @@ def test_an_event_stays_one_line_for_readers_that_split_on_unicode_line_breaks()
     lines = event({"text": text}).decode().splitlines()
     assert len(lines) == 2 and lines[1] == "" and lines[0].startswith("data: ")
     assert json.loads(lines[0].removeprefix("data: ")) == {"text": text}
+
+
+STRICT = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"], "additionalProperties": False}
+# What popular SDKs and frameworks put in a body by default (docs/gateway.md, "Fields SDKs send by default").
+SDK_DEFAULTS = {
+    "openai parse(response_format=Model)": {
+        "response_format": {"type": "json_schema", "json_schema": {"schema": STRICT, "name": "M", "strict": True}}
+    },
+    "openai stream with usage": {
+        "stream": True,
+        "stream_options": {"include_usage": True, "include_obfuscation": False},
+    },
+    "langchain ChatOpenAI (older)": {"stream": False, "n": 1, "temperature": 0.7},
+    "langchain ChatOpenAI streaming": {"stream": True, "stream_options": {"include_usage": True}},
+    "langchain named message": {"messages": [{"role": "user", "content": "hi", "name": "alice"}]},
+    "litellm": {"stream": False, "max_tokens": 8, "user": "u-1"},
+    "no-op knobs": {"tools": [], "tool_choice": "none", "parallel_tool_calls": True, "store": False, "logprobs": False},
+    "hints": {
+        "metadata": {"team": "x"},
+        "prompt_cache_key": "k",
+        "prompt_cache_retention": "24h",
+        "prompt_cache_options": {"mode": "implicit"},
+        "safety_identifier": "hashed-user",
+        "modalities": ["text"],
+        "audio": None,
+    },
+}
+
+
+@pytest.mark.parametrize("extra", list(SDK_DEFAULTS.values()), ids=list(SDK_DEFAULTS))
+def test_fields_sdks_send_by_default_are_accepted(extra: dict[str, Any]) -> None:
+    asked = translate({"model": "m", "messages": USER, **extra}, CHAT)
+    assert asked.options["messages"] == [{"role": "user", "content": "hi"}]
+    assert not {"metadata", "prompt_cache_key", "n", "tools", "store", "name"} & set(asked.options)
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"reasoning_effort": "low"}, "reasoning_effort"),
+        ({"verbosity": "low"}, "verbosity"),
+        ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
+        ({"web_search_options": {}}, "web_search_options"),
+        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"store": True}, "store"),
+        ({"prompt_cache_key": 5}, "prompt_cache_key"),
+        ({"metadata": "x"}, "metadata"),
+        ({"stream_options": {"include_obfuscation": "no"}}, "stream_options.include_obfuscation"),
+        ({"messages": [{"role": "user", "content": "hi", "name": 3}]}, "messages[0].name"),
+    ],
+)
+def test_fields_that_would_change_the_answer_are_refused_by_name(extra: dict[str, Any], field: str) -> None:
+    with pytest.raises(FieldError) as caught:
+        translate({"model": "m", "messages": USER, **extra}, CHAT)
+    assert caught.value.field == field
