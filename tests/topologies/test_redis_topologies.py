@@ -126,4 +126,4 @@ def test_sentinel_kill_9_of_the_master_with_passwords(sentinel_set: SentinelSet)
     client.set("k", "after")
     assert topology.node_at(new[1]).client().get("k") == "after"
     topology.restart(topology.node_at(old[1]))
-    assert topology.wait_healthy() == new
+    assert topology.wait_healthy() == new, topology.log_tails(40)
