@@ -35,6 +35,7 @@ from client.protocol import (
     ErrorEvent,
     FinishReason,
     GenerateRequest,
+    PromptEvent,
     RequestLimits,
     Timings,
     TokensEvent,
@@ -106,8 +107,9 @@ def deadline_ms(deadline: float | timedelta | datetime | None, now_ms: int) -> i
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A generated token's log-probability and text, and the most likely alternatives if asked, as (id,
-    log-probability, text). A token's text is its own decoding: part of a multi-byte character is U+FFFD."""
+    """A token's log-probability and text, and the most likely alternatives if asked, as (id, log-probability,
+    text): a generated token's, or a prompt token's given the tokens before it. A token's text is its own
+    decoding: part of a multi-byte character is U+FFFD."""
 
     token_id: int
     logprob: float
@@ -118,12 +120,14 @@ class TokenLogprob:
 @dataclass(frozen=True)
 class Delta:
     """New output: `seq` is the index of its first token in the whole output; `logprobs` (one per token) when
-    the request asked for them."""
+    the request asked for them. A request with `prompt_logprobs` first gets one delta without tokens whose
+    `prompt_logprobs` score its prompt (as `Result.prompt_logprobs`)."""
 
     text: str
     token_ids: list[int]
     seq: int
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,11 @@ class Result:
     usage: Usage
     timings: Timings
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
+    # With `prompt_logprobs`: per prompt token its id, its text and its score given the tokens before it (the
+    # first's None: nothing predicts it), as vLLM's and OpenAI's `echo` return them.
+    prompt_token_ids: list[int] | None = None
+    prompt_tokens: list[str] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-able fields (for `llmq submit --json`)."""
@@ -197,17 +206,23 @@ class ResultBuilder:
         self._bound_chars: list[int] = [0]
         self.done: DoneEvent | None = None
         self.error: ErrorEvent | None = None
+        self.prompt: PromptEvent | None = None
 
     @property
     def finished(self) -> bool:
         return self.done is not None or self.error is not None
 
-    def feed(self, event: TokensEvent | DoneEvent | ErrorEvent) -> Delta | None:
+    def feed(self, event: PromptEvent | TokensEvent | DoneEvent | ErrorEvent) -> Delta | None:
         """Take one event; return the new output it brings, if any."""
         if self.finished:  # only a stale writer adds after the terminal event
             return None
         if isinstance(event, TokensEvent):
             return self._tokens(event)
+        if isinstance(event, PromptEvent):
+            if self.prompt is not None:  # written again by an attempt restarted before its first token
+                return None
+            self.prompt = event
+            return Delta(text="", token_ids=[], seq=len(self.token_ids), prompt_logprobs=_prompt_logprobs(event))
         if isinstance(event, DoneEvent):
             self.done = event
         else:
@@ -279,10 +294,30 @@ class ResultBuilder:
             usage=self.done.usage,
             timings=self.done.timings,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            **self._prompt_fields(),
         )
         if raise_cancelled and result.finish_reason == "cancelled":
             raise Cancelled(result)
         return result
+
+    def _prompt_fields(self) -> dict[str, Any]:
+        prompt = self.prompt
+        if prompt is None:
+            return {}
+        return {
+            "prompt_token_ids": list(prompt.ids),
+            "prompt_tokens": list(prompt.texts),
+            "prompt_logprobs": _prompt_logprobs(prompt),
+        }
+
+
+def _prompt_logprobs(event: PromptEvent) -> list[TokenLogprob | None]:
+    return [
+        None
+        if entry is None
+        else TokenLogprob(token, entry[0], text, [(alt, lp, alt_text) for alt, lp, alt_text in entry[1]])
+        for token, text, entry in zip(event.ids, event.texts, event.logprobs, strict=True)
+    ]
 
 
 class ResultReader:

@@ -164,6 +164,7 @@ class AsyncClient(BaseClient):
         ignore_eos: bool | None = None,
         logprobs: bool | None = None,
         top_logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
         repetition_penalty: float | None = None,
         presence_penalty: float | None = None,
         frequency_penalty: float | None = None,
@@ -184,7 +185,9 @@ class AsyncClient(BaseClient):
         pipeline stage that reads completions with its own consumer group. `response_format` constrains the
         output: `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`, `{"type":
         "json_object"}` or `{"type": "regex", "regex": ...}`; `logprobs` adds each token's log-probability (and
-        `top_logprobs` alternatives) to the deltas and the result. `priority` is the lane:
+        `top_logprobs` alternatives) to the deltas and the result; `prompt_logprobs=k` scores the prompt (each
+        token's log-probability given those before it, and `k` alternatives: `Result.prompt_logprobs`, and a
+        first delta without tokens), and allows `max_new_tokens=0`, to score only. `priority` is the lane:
         `interactive` (served first, and may preempt lower lanes), `default` or `batch`. Raises `QueueFull`
         when the lane's backlog is at `max_queue_len`.
         """
@@ -207,6 +210,7 @@ class AsyncClient(BaseClient):
                 "ignore_eos": ignore_eos,
                 "logprobs": logprobs,
                 "top_logprobs": top_logprobs,
+                "prompt_logprobs": prompt_logprobs,
                 "repetition_penalty": repetition_penalty,
                 "presence_penalty": presence_penalty,
                 "frequency_penalty": frequency_penalty,

@@ -61,6 +61,7 @@ __all__ = [
     "JsonSchemaFormat",
     "Lane",
     "LimitSettings",
+    "PromptEvent",
     "RegexFormat",
     "RequestLimits",
     "ResponseFormat",
@@ -146,12 +147,18 @@ class Bound:
 
 
 BOUNDS: tuple[Bound, ...] = (
-    Bound("params.max_new_tokens", 1, MAX_NEW_TOKENS, "and at most the worker's LLMQ_MAX_NEW_TOKENS"),
+    Bound(
+        "params.max_new_tokens",
+        1,
+        MAX_NEW_TOKENS,
+        "and at most the worker's LLMQ_MAX_NEW_TOKENS; also 0 with prompt_logprobs (score the prompt only)",
+    ),
     Bound("params.temperature", 0.0, MAX_TEMPERATURE, f"below {GREEDY_BELOW_TEMPERATURE} (0 included) is greedy"),
     Bound("params.top_p", 0.0, 1.0, "0 excluded"),
     Bound("params.top_k", 0, MAX_TOP_K, "0 is off; clamped to the model's vocabulary"),
     Bound("params.seed", MIN_SEED, MAX_SEED, "the same seed gives the same tokens, in any batch, on any worker"),
     Bound("params.top_logprobs", 0, MAX_TOP_LOGPROBS, "alternatives per token; needs logprobs"),
+    Bound("params.prompt_logprobs", 0, MAX_TOP_LOGPROBS, "alternatives per prompt token; absent: none"),
     Bound("params.repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY, "1 is off; prompt and output"),
     Bound("params.presence_penalty", -MAX_PENALTY, MAX_PENALTY, "0 is off; tokens of the output"),
     Bound("params.frequency_penalty", -MAX_PENALTY, MAX_PENALTY, "0 is off; tokens of the output, by count"),
@@ -273,7 +280,7 @@ ResponseFormat = Annotated[JsonSchemaFormat | JsonObjectFormat | RegexFormat, Fi
 class SamplingParams(_Wire):
     """Decoding settings; ranges are `BOUNDS`."""
 
-    max_new_tokens: Annotated[int, Field(strict=True, ge=1, le=MAX_NEW_TOKENS)] = DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: Annotated[int, Field(strict=True, ge=0, le=MAX_NEW_TOKENS)] = DEFAULT_MAX_NEW_TOKENS
     temperature: Annotated[float, Field(strict=True, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)] = 1.0
     top_p: Annotated[float, Field(strict=True, gt=0, le=1, allow_inf_nan=False)] = 1.0
     top_k: Annotated[int, Field(strict=True, ge=0, le=MAX_TOP_K)] = 0
@@ -284,6 +291,9 @@ class SamplingParams(_Wire):
     # drawn from: after penalties, the response format's mask, temperature, top-k and top-p.
     logprobs: Annotated[bool, Field(strict=True)] = False
     top_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_TOP_LOGPROBS)] = 0
+    # Each prompt token's log-probability given the tokens before it, and this many alternatives (as vLLM's
+    # `prompt_logprobs`): from the model's raw distribution, before any sampling setting. None: not computed.
+    prompt_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     repetition_penalty: Annotated[
         float, Field(strict=True, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)
     ] = 1.0
@@ -295,6 +305,8 @@ class SamplingParams(_Wire):
     def _consistent(self) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
             raise _FieldError("params.top_logprobs", "top_logprobs needs logprobs")
+        if self.max_new_tokens == 0 and self.prompt_logprobs is None:
+            raise _FieldError("params.max_new_tokens", "max_new_tokens may be 0 only with prompt_logprobs")
         if self.response_format is not None and self.ignore_eos:
             raise _FieldError(
                 "params.response_format",
@@ -421,6 +433,26 @@ class TokensEvent(_Wire):
     logprobs: list[tuple[float, str, list[tuple[_Count, float, str]]]] | None = None
 
 
+class PromptEvent(_Wire):
+    """The prompt's tokens scored, written before the first `tokens` event, only for a request that set
+    `params.prompt_logprobs`. Per prompt token: its id, its own text, and [log-probability, [[alternative id,
+    log-probability, text]]] given the tokens before it; the first token's entry is None (nothing predicts it).
+    A reader keeps the first it sees: a request restarted before its first token may write it again."""
+
+    _hidden = frozenset({"ids", "texts", "logprobs"})
+    v: _Version = PROTOCOL_VERSION
+    type: Literal["prompt"] = "prompt"
+    ids: Annotated[list[_Count], Field(min_length=1)]
+    texts: list[str]
+    logprobs: list[tuple[float, list[tuple[_Count, float, str]]] | None]
+
+    @model_validator(mode="after")
+    def _aligned(self) -> PromptEvent:
+        if not len(self.ids) == len(self.texts) == len(self.logprobs):
+            raise ValueError("ids, texts and logprobs must have one entry per prompt token")
+        return self
+
+
 class Usage(_Wire):
     prompt_tokens: _Count
     completion_tokens: _Count
@@ -472,8 +504,8 @@ class Completion(_Wire):
     error: ErrorEvent | None = None
 
 
-Event = Annotated[TokensEvent | DoneEvent | ErrorEvent, Field(discriminator="type")]
-_EVENT: TypeAdapter[TokensEvent | DoneEvent | ErrorEvent] = TypeAdapter(Event)
+Event = Annotated[PromptEvent | TokensEvent | DoneEvent | ErrorEvent, Field(discriminator="type")]
+_EVENT: TypeAdapter[PromptEvent | TokensEvent | DoneEvent | ErrorEvent] = TypeAdapter(Event)
 
 
 class WorkerInfo(_Wire):
@@ -638,7 +670,7 @@ def _validated(validate: Callable[[Any], _T], raw: bytes, what: str) -> _T:
         raise MalformedEntry(f"invalid {what}: {_summarize(exc)}") from None
 
 
-def decode_event(raw: bytes) -> TokensEvent | DoneEvent | ErrorEvent:
+def decode_event(raw: bytes) -> PromptEvent | TokensEvent | DoneEvent | ErrorEvent:
     """A result stream entry's `m` field."""
     return _validated(_EVENT.validate_python, raw, "event")
 

@@ -12,6 +12,7 @@ from client.protocol import (
     GenerateRequest,
     JsonObjectFormat,
     JsonSchemaFormat,
+    PromptEvent,
     RegexFormat,
     ResponseFormat,
 )
@@ -26,6 +27,7 @@ from worker.engine import (
     OutputFormat,
     RequestRejected,
     Resume,
+    ScoredPrompt,
 )
 from worker.engine.constraints import json_schema_format
 
@@ -60,6 +62,20 @@ def error_event(error: EngineError) -> ErrorEvent:
     return ErrorEvent(code=wire.code, message=str(error), retryable=wire.retryable, param=param)
 
 
+def prompt_event(prompt: ScoredPrompt) -> PromptEvent:
+    """The wire form of a scored prompt."""
+    logprobs = [
+        None
+        if entry is None
+        else (
+            entry.logprob,
+            [(token, value, text) for (token, value), text in zip(entry.top, entry.top_text, strict=True)],
+        )
+        for entry in prompt.logprobs
+    ]
+    return PromptEvent(ids=prompt.token_ids, texts=prompt.texts, logprobs=logprobs)
+
+
 def engine_request(
     request: GenerateRequest, resume: Resume | None = None, *, suspect: bool = False, urgent: bool = False
 ) -> EngineRequest:
@@ -82,6 +98,7 @@ def engine_request(
             presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty,
             output_format=output_format(params.response_format),
+            prompt_logprobs=params.prompt_logprobs,
         ),
         resume=resume,
         suspect=suspect,

@@ -31,6 +31,7 @@ from client.protocol import (
     ErrorEvent,
     GenerateRequest,
     Lane,
+    PromptEvent,
     RequestLimits,
     Timings,
     TokensEvent,
@@ -277,7 +278,7 @@ def admit(ready: Ready, policy: Policy, *, running_here: bool = False, now_ms: i
         finish_reason = "cancelled"
     elif delivered and not request.params.ignore_eos and delivered[-1] in policy.eos_token_ids:
         finish_reason = "eos"
-    elif len(delivered) >= request.params.max_new_tokens:
+    elif delivered and len(delivered) >= request.params.max_new_tokens:  # 0 tokens asked: it scores its prompt
         finish_reason = "length"
     if finish_reason is not None:
         done = done_event(
@@ -458,6 +459,8 @@ def _earlier_output(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> tuple[li
         try:
             event = decode_event(fields[ENTRY_FIELD])
         except (MalformedEntry, UnsupportedVersion, KeyError):
+            continue
+        if isinstance(event, PromptEvent):  # the prompt's scores, before any token: no output, no end
             continue
         if isinstance(event, TokensEvent):
             if event.seq == len(ids):

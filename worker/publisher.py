@@ -26,7 +26,7 @@ from redis.asyncio import Redis
 
 from client.backoff import Backoff
 from client.failover import REDIS_FAILURES
-from client.protocol import Completion, DoneEvent, ErrorEvent, Lane, TokensEvent, encode
+from client.protocol import Completion, DoneEvent, ErrorEvent, Lane, PromptEvent, TokensEvent, encode
 from client.scripts import PublishItem, PublishOutcome, Scripts
 from client.store import Keys
 
@@ -112,6 +112,13 @@ class Publisher:
     def tokens(self, target: Target, event: TokensEvent) -> None:
         self.stats.tokens += len(event.ids)
         self._put(_Pending(target, encode(event), event.seq, len(event.ids)))
+
+    def prompt(self, target: Target, event: PromptEvent, seq: int = 0) -> None:
+        """The prompt's scores, before the request's first token (`seq` tokens were written before: 0 unless a
+        caller resumes one, which the engine does not score again). It counts no token, so a write retried after
+        a lost reply may write it twice, as may an attempt restarted before its first token: readers keep the
+        first."""
+        self._put(_Pending(target, encode(event), seq, 0))
 
     def finish(
         self,

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import enum
 from collections import Counter
-from collections.abc import Awaitable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,8 +21,8 @@ from structlog.typing import FilteringBoundLogger
 from client.failover import REDIS_FAILURES
 from client.protocol import LANES, Lane
 from client.scripts import HandBackReason
-from worker.adapter import engine_request
-from worker.engine import EngineError, GenerationEngine, Resume
+from worker.adapter import engine_request, error_event, prompt_event
+from worker.engine import EngineError, EngineFailed, GenerationEngine, OutputDelta, Resume, ScoredPrompt
 from worker.engine.interface import DeltaStream
 from worker.intake import Ready, Start
 from worker.leases import Leases
@@ -85,6 +85,38 @@ class Run(Relay):
     @property
     def leases(self) -> Leases:
         return self.partition.leases[self.lane]
+
+    async def run(self, stream: DeltaStream) -> EngineFailed | None:
+        """Relays the stream (`Relay.run`), publishing a scored prompt ahead of the delta that carries it, so the
+        prompt's event precedes the request's first token."""
+        return await super().run(_PromptTap(stream, self._publish_prompt))
+
+    def _publish_prompt(self, prompt: ScoredPrompt) -> None:
+        if not self.fenced:
+            self._publisher.prompt(self.target, prompt_event(prompt), seq=self.tokens)
+
+    def fail(self, error: EngineError) -> None:
+        """Ends the request with the wire error its engine error maps to, naming the field a rejection blames."""
+        event = error_event(error)
+        self._send_final(event, self.trace.failed(str(event.code), str(error)))
+
+
+class _PromptTap:
+    """A delta stream that hands each delta's scored prompt to `publish` before passing the delta on."""
+
+    def __init__(self, stream: DeltaStream, publish: Callable[[ScoredPrompt], None]) -> None:
+        self.prompt_tokens = stream.prompt_tokens
+        self._deltas = aiter(stream)
+        self._publish = publish
+
+    def __aiter__(self) -> _PromptTap:
+        return self
+
+    async def __anext__(self) -> OutputDelta:
+        delta = await anext(self._deltas)
+        if delta.prompt is not None:
+            self._publish(delta.prompt)
+        return delta
 
 
 class Runs:

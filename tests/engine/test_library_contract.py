@@ -116,6 +116,7 @@ ATTRIBUTES = [
     (f"{CB}.requests.FutureRequestState", "has_new_token"),
     (f"{CB}.requests.FutureRequestState", "query_length"),
     (f"{CB}.requests.RequestState", "request_id"),
+    (f"{CB}.requests.RequestState", "position_offset"),
     (f"{CB}.requests.RequestState", "status"),
     (f"{CB}.requests.RequestState", "generated_tokens"),
     (f"{CB}.requests.RequestStatus", "DECODING"),
@@ -145,6 +146,12 @@ CALL_SITES = [
     (f"{CB}.model_runner.ModelRunner._forward_process_and_sample", "self._sample(scores, output_ids)"),
     (f"{CB}.scheduler.Scheduler._infer_request_tokens", "self.cache.search_prefix_match("),
     (f"{CB}.cache.PagedAttentionCache.__init__", "self.use_prefix_sharing"),
+    # Prompt scoring: a batch's rows are planned after its chunks advanced their requests' offsets, and the logits
+    # the model returns for `logits_to_keep` are used as they come (`library.install_prompt_scoring`).
+    (f"{CB}.input_outputs.ContinuousBatchingIOs.prepare_batch_tensors", "state.position_offset += query_length"),
+    (f"{CB}.model_runner.ModelRunner.compute_batch", 'batch_data["logits_to_keep"] = batch_data["logits_indices"]'),
+    (f"{CB}.model_runner.ModelRunner._forward_process_and_sample", 'if "logits_to_keep" not in batch_data:'),
+    (f"{CB}.model_runner.ModelRunner._forward_process_and_sample", "logits = model(**batch_data).logits"),
     ("transformers.models.llama.modeling_llama.LlamaAttention.forward", "cache.update("),
     ("transformers.models.llama.modeling_llama.LlamaAttention.forward", "self.config._attn_implementation"),
 ]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgpack
 import pytest
 
+from client import AsyncClient, RequestFailed
 from client.protocol import ErrorCode, ErrorEvent, RequestLimits, ms_now
 from worker import adapter
 from worker.engine.errors import EngineFailed, RequestRejected
@@ -67,3 +70,15 @@ def test_the_engine_names_the_field_it_rejects(request_: EngineRequest, param: s
 def test_an_engine_failure_names_no_field() -> None:
     event = adapter.error_event(EngineFailed("the engine died"))
     assert (event.code, event.param, event.retryable) == (ErrorCode.ENGINE_FAILED, None, True)
+
+
+async def test_the_callers_error_names_the_field_the_engine_rejected(start_worker: Any, client: AsyncClient) -> None:
+    await start_worker(real_model=True)
+    job = await client.submit(input_ids=[3, 10**6], max_new_tokens=4)  # over the tiny vocabulary: the engine's check
+    with pytest.raises(RequestFailed) as info:
+        await job.result(timeout=60)
+    assert (info.value.code, info.value.param) == ("invalid_request", "input_ids")
+    long = await client.submit(input_ids=[3] * 500, max_new_tokens=100)  # over the model's context of 512
+    with pytest.raises(RequestFailed) as info:
+        await long.result(timeout=60)
+    assert info.value.param == "input_ids" and "context" in info.value.message

@@ -49,6 +49,7 @@ README_BOUNDS = {
     "params.top_k": (0, 2147483647),
     "params.seed": (-(2**63), 2**64 - 1),
     "params.top_logprobs": (0, 20),
+    "params.prompt_logprobs": (0, 20),
     "params.repetition_penalty": (0.01, 10),
     "params.presence_penalty": (-2, 2),
     "params.frequency_penalty": (-2, 2),

@@ -13,6 +13,7 @@ from worker.engine.types import (
     OutputDelta,
     OutputFormat,
     Resume,
+    ScoredPrompt,
     Step,
     TokenLogprob,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "RequestRejected",
     "RequestStream",
     "Resume",
+    "ScoredPrompt",
     "Step",
     "TokenLogprob",
     "load_model",

@@ -28,6 +28,7 @@ from worker.engine.constraints import Grammars
 from worker.engine.errors import EngineClosed, EngineError, EngineFailed, RequestRejected
 from worker.engine.inputs import InputProcessor, ModelLimits
 from worker.engine.outputs import IncrementalDetokenizer
+from worker.engine.prompt_scores import PromptScores
 from worker.engine.rows import RowState
 from worker.engine.stats import StepCounters
 from worker.engine.stream import RequestStream
@@ -38,6 +39,7 @@ from worker.engine.types import (
     GenerationParams,
     OutputDelta,
     Resume,
+    ScoredPrompt,
     Step,
     TokenLogprob,
 )
@@ -76,6 +78,7 @@ class Engine:
         self._grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids)
         self._urgent: set[str] = set()  # library ids of urgent requests, whose prefill the scheduler takes first
         self._row_states: dict[str, RowState] = {}  # by library id: the requests the sampler treats apart
+        self._prompt_scores: dict[str, PromptScores] = {}  # by library id: the prompts being scored
         self._per_row = True  # the fused sampler is installed (not with CUDA graphs): per-row features work
         self._manager: library.Manager | None = None
         self._inputs: InputProcessor | None = None
@@ -129,6 +132,8 @@ class Engine:
         if self._find(prepared.request_id) is not None:
             raise RequestRejected(f"request {prepared.request_id!r} is already in this engine")
         row_state = self._row_state(request) if request.params.per_row else None
+        if request.params.prompt_logprobs is not None and not self._per_row:
+            raise RequestRejected("prompt logprobs need the fused sampler", param="params.prompt_logprobs")
         unread, carry_text = self._held_back(request.resume)
         stream = RequestStream(
             prepared,
@@ -140,6 +145,11 @@ class Engine:
         if row_state is not None:
             row_state.context = prepared.prompt_ids
             stream.row_state = self._row_states[stream.library_id] = row_state
+        if request.params.prompt_logprobs is not None and request.resume is None:
+            # A resumed request's prompt was scored by the attempt that delivered its first tokens, and published
+            # before them: it is not scored again (its stream would otherwise repeat it).
+            scores = PromptScores(list(prepared.prompt_ids), request.params.prompt_logprobs)
+            stream.prompt_scores = self._prompt_scores[stream.library_id] = scores
         if request.urgent:
             self._urgent.add(stream.library_id)
             self._waiting.appendleft(stream)
@@ -244,7 +254,12 @@ class Engine:
 
     def _start_manager(self) -> None:
         """Builds and starts a fresh library manager (blocking: runs in a worker thread)."""
-        hooks = library.Hooks(urgent=self._urgent, row_states=self._row_states, counters=self.counters)
+        hooks = library.Hooks(
+            urgent=self._urgent,
+            row_states=self._row_states,
+            counters=self.counters,
+            prompt_scores=self._prompt_scores,
+        )
         manager = library.start(self.model, self.config, self.eos_token_ids, hooks)
         self._per_row = manager.per_row
         self._num_blocks = manager.num_blocks
@@ -299,7 +314,7 @@ class Engine:
         return {
             "input_ids": request.prompt_ids,
             "request_id": stream.library_id,
-            "max_new_tokens": params.max_new_tokens,
+            "max_new_tokens": max(1, params.max_new_tokens),  # 0 (scoring only): the one token is not output
             "streaming": True,
             "eos_token_id": -1 if params.ignore_eos else list(self.eos_token_ids) or -1,
             **self._sampling_kwargs(params),
@@ -324,10 +339,17 @@ class Engine:
                 return  # the thread is dying: the watchdog ends every request it ran at once, blaming consistently
             self._end(stream, "error", EngineFailed(f"the engine failed this request: {output.error}"))
             return
+        prompt = None
+        if stream.prompt_scores is not None:  # the first output comes after the prompt's last chunk ran
+            prompt = self._take_scores(stream)
+            if prompt is None:
+                return
         tokens = output.generated_tokens
+        finished = output.is_finished()
+        if stream.request.params.max_new_tokens == 0:  # scoring only: the token the library drew is not output
+            tokens, finished = [], True
         new_tokens = tokens[stream.tokens_seen :]
         stream.tokens_seen = len(tokens)
-        finished = output.is_finished()
         text = stream.detokenizer.push(new_tokens)
         if finished:
             text += stream.detokenizer.finish()
@@ -340,13 +362,35 @@ class Engine:
         elif finished:
             eos = not stream.request.params.ignore_eos and bool(tokens) and tokens[-1] in self.eos_token_ids
             reason = Finish.EOS if eos else Finish.LENGTH
-        logprobs = None
-        if stream.row_state is not None and stream.row_state.params.logprobs is not None:
-            queued = stream.row_state.logprobs
-            logprobs = [self._with_text(token, queued.popleft()) for token in new_tokens if queued]
-        stream.put(OutputDelta(stream.request_id, list(new_tokens), text, reason, stream.prompt_tokens, logprobs))
+        logprobs = self._token_logprobs(stream, new_tokens)
+        delta = OutputDelta(stream.request_id, list(new_tokens), text, reason, stream.prompt_tokens, logprobs, prompt)
+        stream.put(delta)
         if reason is not None:
             self._end(stream, reason)
+
+    def _token_logprobs(self, stream: RequestStream, new_tokens: list[int]) -> list[TokenLogprob] | None:
+        """The new tokens' logprobs, which the sampler queued, when the request asked for them."""
+        if stream.row_state is None or stream.row_state.params.logprobs is None:
+            return None
+        queued = stream.row_state.logprobs
+        return [self._with_text(token, queued.popleft()) for token in new_tokens if queued]
+
+    def _take_scores(self, stream: RequestStream) -> ScoredPrompt | None:
+        """The stream's scored prompt, with every token's text (decoded here, on the loop, not in the library's
+        thread); None, with the stream ended, where it could not be scored."""
+        scores, stream.prompt_scores = stream.prompt_scores, None
+        self._prompt_scores.pop(stream.library_id, None)
+        if scores is None or not scores.complete:
+            failed = scores.failed if scores is not None else "no scores"
+            self._end(stream, "error", EngineError(f"the prompt could not be scored: {failed}"))
+            return None
+        ids = scores.prompt_ids
+        texts = [self._decode([token]) for token in ids]
+        logprobs: list[TokenLogprob | None] = [None]
+        for index, (value, top) in enumerate(scores.scores, start=1):
+            top_text = tuple(self._decode([alternative]) for alternative, _ in top)
+            logprobs.append(TokenLogprob(value, top, texts[index], top_text))
+        return ScoredPrompt(list(ids), texts, logprobs)
 
     def _with_text(self, token: int, logprob: TokenLogprob) -> TokenLogprob:
         texts = tuple(self._decode([alternative]) for alternative, _ in logprob.top)
@@ -355,6 +399,7 @@ class Engine:
     def _end(self, stream: RequestStream, outcome: str, error: EngineError | None = None) -> None:
         """Takes a request out of the engine's books, counts its outcome, and lets the next waiting one in."""
         self._row_states.pop(stream.library_id, None)
+        self._prompt_scores.pop(stream.library_id, None)
         self._urgent.discard(stream.library_id)
         if stream.library_id in self._running:
             del self._running[stream.library_id]

@@ -34,8 +34,9 @@ class PreparedRequest:
 
     @property
     def max_tokens(self) -> int:
-        """Prompt plus the most it may generate: what the request can ever hold in the KV cache."""
-        return len(self.prompt_ids) + self.params.max_new_tokens
+        """Prompt plus the most it may generate: what the request can ever hold in the KV cache (the library draws
+        one token even for a request that only scores its prompt)."""
+        return len(self.prompt_ids) + max(1, self.params.max_new_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +139,10 @@ def check_params(params: GenerationParams) -> None:
     def is_real(value: Any) -> bool:
         return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
-    if not is_int(params.max_new_tokens) or not 1 <= params.max_new_tokens <= MAX_NEW_TOKENS:
+    least = 0 if params.prompt_logprobs is not None else 1  # 0: only score the prompt
+    if not is_int(params.max_new_tokens) or not least <= params.max_new_tokens <= MAX_NEW_TOKENS:
         raise RequestRejected(
-            f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS}], not {params.max_new_tokens}",
+            f"max_new_tokens must be an integer in [{least}, {MAX_NEW_TOKENS}], not {params.max_new_tokens}",
             param="params.max_new_tokens",
         )
     if not is_real(params.temperature) or not 0 <= params.temperature <= MAX_TEMPERATURE:
@@ -168,6 +170,12 @@ def _check_row_params(params: GenerationParams, is_int: Any, is_real: Any) -> No
         raise RequestRejected(
             f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {params.logprobs!r}",
             param="params.top_logprobs",
+        )
+    top = params.prompt_logprobs
+    if top is not None and (not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise RequestRejected(
+            f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}",
+            param="params.prompt_logprobs",
         )
     penalty = params.repetition_penalty
     if not is_real(penalty) or not MIN_REPETITION_PENALTY <= penalty <= MAX_REPETITION_PENALTY:

@@ -16,18 +16,22 @@ second with the list of what moved.
 4. the lean decoder layers (`lean_layers.py`), which need our attention;
 5. the warmup: the batch processor now exists (scheduler, cache, model runner), the cache at its real size;
 6. the engine's urgent ids into our scheduler (`urgency.py`);
-7. the fused sampler into the model runner (`sampling.py`), where CUDA graphs are off;
+7. the fused sampler into the model runner (`sampling.py`), where CUDA graphs are off; with it, prompt scoring
+   (`prompt_scores.py`): hooks on the model that add a scored prompt's positions to the logits it computes, and no
+   prefix-cache match for such a prompt (every position must run);
 8. the paged reads into the cache (`paged_reads.py`), which exist only after the warmup, on CPU with our attention;
 9. the step counters around the manager's step (`stats.py`), with the engine paths chosen above and, where prefix
    sharing is on, the prefix cache's lookups;
 10. the manager's thread starts.
-`restore` undoes 3 and 4 (the library's checks and `model.generate` need SDPA and the library's layers).
+`restore` undoes 3, 4 and the model's scoring hooks (the library's checks and `model.generate` need SDPA and the
+library's layers).
 """
 
 from __future__ import annotations
 
 import contextlib
 import queue
+import threading
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -45,9 +49,10 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING, FIFOScheduler
 
-from worker.engine import attention, fastpath, lean_layers
+from worker.engine import attention, fastpath, lean_layers, prompt_scores
 from worker.engine.kernels import cpu_kernels
 from worker.engine.paged_reads import PagedReads
+from worker.engine.prompt_scores import PromptScores
 from worker.engine.rows import RowState
 from worker.engine.sampling import ArgumentRows, FusedSampler
 from worker.engine.stats import StepCounters
@@ -58,6 +63,7 @@ if TYPE_CHECKING:
 
 SCHEDULER_NAME = "llmq_urgent_first"  # our scheduler's key in the library's SCHEDULER_MAPPING
 _PAGED_READS_MARK = "_llmq_paged_reads"  # set on a cache whose `update` is ours
+_SCORING_HOOKS = "_llmq_scoring_hooks"  # the model's prompt-scoring hook handles, removed by `restore`
 _MAX_LOOKUPS_WAITING = 4096  # prefix-cache lookups of requests not yet in a step (`_count_prefix_lookups`)
 
 
@@ -78,6 +84,7 @@ class Hooks:
     urgent: Collection[str]  # library ids of urgent requests, whose prefill goes first
     row_states: Mapping[str, RowState]  # by library id: the requests the fused sampler treats apart
     counters: StepCounters
+    prompt_scores: Mapping[str, PromptScores]  # by library id: the prompts being scored
 
 
 class UrgentFirstScheduler(FIFOScheduler):
@@ -191,6 +198,8 @@ def start(model: Any, sizing: EngineConfig, eos_token_ids: tuple[int, ...], hook
     # The fused sampler goes in wherever CUDA graphs are off (it declines otherwise): per-request seeds,
     # logprobs, penalties and response formats need it, on any device.
     per_row = install_sampler(processor.model_runner, manager.logit_processor, hooks.row_states)
+    if per_row:
+        install_prompt_scoring(manager, model, hooks.prompt_scores)
     kernel, paged = None, False
     if _runs_our_attention_on_cpu(model):
         kernel = cpu_kernels.load()
@@ -205,6 +214,8 @@ def start(model: Any, sizing: EngineConfig, eos_token_ids: tuple[int, ...], hook
 
 def restore(model: Any) -> None:
     """Gives the model back its SDPA attention and library layers, for the library's checks and `model.generate`."""
+    for handle in vars(model).pop(_SCORING_HOOKS, ()):
+        handle.remove()
     lean_layers.uninstall(model)
     if model.config._attn_implementation == attention.ATTENTION_NAME:
         model.set_attn_implementation("sdpa")
@@ -240,6 +251,64 @@ def install_sampler(runner: Any, processors: Any, row_states: Mapping[str, RowSt
     runner.logit_processor = sampler
     runner._sample = sampler.sample
     return True
+
+
+def install_prompt_scoring(manager: Any, model: Any, scoring: Mapping[str, PromptScores]) -> None:
+    """Scores the prompts in `scoring` as they are prefilled (`prompt_scores`). Around each step, the rows to score
+    are planned from the batch (each row's request and chunk); during that step's forward only (in the library's
+    thread: never a forward of anyone else's), a pre-hook appends those rows to `logits_to_keep` and a hook takes
+    their logits off the output again, so the library sees exactly the logits it asked for. Where the model takes
+    no `logits_to_keep`, its logits cover every row already. Prompts being scored get no prefix-cache match."""
+    active: dict[str, Any] = {}  # during a step with rows to score: the plan, its thread and the library's row count
+
+    def planned_step() -> None:
+        batch = getattr(manager.batch_processor.inputs_and_outputs, "requests_in_batch", [])
+        chunks = [(f.state.request_id, f.state.position_offset - f.query_length, f.query_length) for f in batch]
+        plan = prompt_scores.plan(chunks, scoring) if scoring else []
+        if plan:
+            active.update(plan=plan, thread=threading.get_ident())
+        try:
+            step()
+        finally:
+            active.clear()
+
+    def before(module: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        if not active or active["thread"] != threading.get_ident():
+            return None
+        wanted = torch.tensor(prompt_scores.rows(active["plan"]), dtype=torch.int32, device=model.device)
+        active["wanted"] = wanted
+        kept = kwargs.get("logits_to_keep")
+        active["kept"] = None
+        if isinstance(kept, torch.Tensor):
+            active["kept"] = kept.numel()
+            kwargs["logits_to_keep"] = torch.cat([kept.to(torch.int32), wanted])
+        return args, kwargs
+
+    def after(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
+        if not active or active["thread"] != threading.get_ident() or "wanted" not in active:
+            return None
+        logits, kept = output.logits, active["kept"]
+        if kept is None:
+            prompt_scores.score(active["plan"], logits[0, active["wanted"].long()])
+            return None
+        prompt_scores.score(active["plan"], logits[0, kept:])
+        output.logits = logits[:, :kept]
+        return output
+
+    step = manager._generation_step
+    manager._generation_step = planned_step
+    vars(model)[_SCORING_HOOKS] = [
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, with_kwargs=True),
+    ]
+    cache = manager.batch_processor.cache
+    if cache.use_prefix_sharing:
+        search = cache.search_prefix_match
+
+        def search_unless_scored(request_id: str, prompt_ids: list[int]) -> int:
+            return 0 if request_id in scoring else int(search(request_id, prompt_ids))
+
+        cache.search_prefix_match = search_unless_scored
 
 
 def supports_paged_reads(cache: Any) -> bool:

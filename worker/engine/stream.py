@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from worker.engine.errors import EngineError
 from worker.engine.inputs import PreparedRequest
 from worker.engine.outputs import IncrementalDetokenizer, StopStringMatcher
+from worker.engine.prompt_scores import PromptScores
 from worker.engine.rows import RowState
 from worker.engine.types import OutputDelta
 
@@ -36,6 +37,7 @@ class RequestStream(AsyncIterator[OutputDelta]):
         self.stops = StopStringMatcher(request.params.stop, pending=carry_text)
         self.tokens_seen = 0  # the library's outputs are cumulative: how many generated tokens we already took
         self.row_state: RowState | None = None  # the sampler's state, for a request with per-row features
+        self.prompt_scores: PromptScores | None = None  # its prompt being scored, until its first output
         self.closed = False  # no more deltas will be put
         self._pending: OutputDelta | None = None
         self._error: EngineError | None = None
@@ -54,6 +56,7 @@ class RequestStream(AsyncIterator[OutputDelta]):
             pending.finish_reason = delta.finish_reason
             if delta.logprobs is not None:
                 pending.logprobs = [*(pending.logprobs or []), *delta.logprobs]
+            pending.prompt = pending.prompt or delta.prompt
         self.closed = delta.finished
         self._ready.set()
 

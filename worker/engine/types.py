@@ -43,7 +43,8 @@ class OutputFormat:
 @dataclass(frozen=True, slots=True)
 class GenerationParams:
     """Per-request decoding settings. A temperature under `GREEDY_BELOW_TEMPERATURE` (or `top_k == 1`) is greedy:
-    float32 sampling cannot divide logits by it. `logprobs` None: none reported; else how many alternatives."""
+    float32 sampling cannot divide logits by it. `logprobs` None: none reported; else how many alternatives.
+    `prompt_logprobs` likewise for the prompt's tokens (`ScoredPrompt`); with it, `max_new_tokens` may be 0."""
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 1.0
@@ -57,6 +58,7 @@ class GenerationParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     output_format: OutputFormat | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -84,6 +86,16 @@ class TokenLogprob:
     top: list[tuple[int, float]]
     text: str = ""
     top_text: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ScoredPrompt:
+    """The prompt's tokens with each one's own text and its log-probability given the tokens before it (with the
+    alternatives asked for); the first token's is None: nothing predicts it."""
+
+    token_ids: list[int]
+    texts: list[str]
+    logprobs: list[TokenLogprob | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +140,7 @@ class OutputDelta:
     finish_reason: Finish | None = None
     prompt_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
+    prompt: ScoredPrompt | None = None  # on a stream's first delta, when the request asked for prompt logprobs
 
     @property
     def finished(self) -> bool:
