@@ -10,6 +10,7 @@ from typing import Any
 import msgpack
 import pytest
 import torch
+from redis.asyncio import Redis
 
 from client import AsyncClient, Client, InvalidRequest
 from client.protocol import DoneEvent, PromptEvent, TokensEvent, Usage, encode
@@ -80,3 +81,34 @@ def test_a_resumed_stream_reads_past_the_prompt_event() -> None:
     done = DoneEvent(finish_reason="length", usage=Usage(prompt_tokens=2, completion_tokens=0))
     assert _earlier_output([entries[0], (b"3-0", {b"m": encode(done)})])[2] is True
     assert "texts" in msgpack.unpackb(encode(prompt))
+
+
+async def test_a_request_resumed_on_another_worker_keeps_its_scores_once(
+    start_worker: Any, client: AsyncClient, redis_url: str
+) -> None:
+    options: dict[str, Any] = {"input_ids": PROMPT, "max_new_tokens": 120, "temperature": 0, "ignore_eos": True}
+    first = await start_worker(real_model=True, drain_timeout_s=0.0)
+    job = await client.submit(**options, prompt_logprobs=1)
+    seen = 0
+    async for delta in job.stream(timeout=60):
+        seen += len(delta.token_ids)
+        if seen >= 10:
+            break
+    first.stop.set()  # drains for 0 s: hands the request back after its first tokens
+    await asyncio.wait_for(first.task, 30)
+    second = await start_worker(real_model=True, claim_interval_s=0.1)
+    resumed = await job.result(timeout=120)
+    assert second.worker.publisher.stats.tokens > 0  # the second worker generated the rest
+    reference = await (await client.submit(**options, prompt_logprobs=1)).result(timeout=120)
+    assert resumed.token_ids == reference.token_ids and len(resumed.token_ids) == 120
+    assert resumed.prompt_logprobs is not None and reference.prompt_logprobs is not None
+    for got, want in zip(resumed.prompt_logprobs[1:], reference.prompt_logprobs[1:], strict=True):
+        assert got is not None and want is not None and got.token_id == want.token_id
+        assert math.isclose(got.logprob, want.logprob, abs_tol=1e-4)
+    redis = Redis.from_url(redis_url)
+    try:
+        entries: list[tuple[bytes, dict[bytes, bytes]]] = await redis.xrange(job.keys.result(job.id))  # type: ignore[assignment]
+    finally:
+        await redis.aclose()
+    kinds = [msgpack.unpackb(fields[b"m"])["type"] for _, fields in entries]
+    assert kinds.count("prompt") == 1 and kinds[0] == "prompt"  # the second worker did not score it again
