@@ -184,3 +184,66 @@ async def test_logprobs_and_a_json_schema_through_the_sdk(gateway: Any, start_wo
         response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}},
     )
     jsonschema.validate(json.loads(shaped.choices[0].message.content or ""), SCHEMA)
+
+
+async def test_fields_sdks_send_by_default_pass_and_the_rest_are_refused_by_name(
+    gateway: Any, start_worker: Any
+) -> None:
+    """What openai-python, LangChain's ChatOpenAI and LiteLLM send when the caller sets nothing more (the table in
+    docs/gateway.md), through the SDK, sync and async, streamed and whole."""
+    import openai
+    import pytest
+
+    await start_worker()
+    served = await gateway()
+    model = await served.model()
+    expected = "".join(text_of(t) for t in expected_tokens(list(b"hi"), 3))
+    sdk, sync = served.sdk(), served.sync_sdk()
+    defaults: dict[str, Any] = {
+        "n": 1,
+        "temperature": 0.7,
+        "store": False,
+        "metadata": {"team": "search"},
+        "prompt_cache_key": "conversation-9",
+        "safety_identifier": "hashed-user",
+        "parallel_tool_calls": False,
+        "modalities": ["text"],
+        "extra_body": {"prompt_cache_retention": "24h"},
+    }
+    messages: Any = [{"role": "user", "content": "hi", "name": "alice"}]
+    whole = await sdk.chat.completions.create(model=model, messages=messages, max_tokens=3, **defaults)
+    assert whole.choices[0].message.content == expected
+
+    def stream_sync() -> str:  # in a thread: the gateway runs on this loop
+        stream = sync.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_completion_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True, "include_obfuscation": False},
+            **defaults,
+        )
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    assert await asyncio.to_thread(stream_sync) == expected
+    for refused, param in (({"reasoning_effort": "low"}, "reasoning_effort"), ({"verbosity": "low"}, "verbosity")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            await sdk.chat.completions.create(model=model, messages=messages, max_tokens=3, **refused)
+        assert caught.value.param == param and caught.value.response.headers["x-should-retry"] == "false"
+
+
+async def test_parse_with_a_pydantic_model_on_a_real_model(gateway: Any, start_worker: Any) -> None:
+    """`chat.completions.parse(response_format=Model)`: the strict json_schema the SDK derives is applied."""
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=8)  # a bounded answer, even from a random model
+        sunny: bool
+
+    await start_worker(real_model=True)
+    served = await gateway()
+    model = await served.model()
+    parsed = await served.sdk().chat.completions.parse(
+        model=model, messages=QUESTION, max_tokens=200, temperature=0, response_format=City
+    )
+    assert isinstance(parsed.choices[0].message.parsed, City)
