@@ -91,6 +91,7 @@ async def test_full_queue_is_429_with_retry_after(gateway: Any, redis_url: str) 
         await served.sdk().chat.completions.create(model="default", messages=HI, max_tokens=2)
     assert_openai_error(caught.value, 429, "queue_full")
     assert caught.value.response.headers["retry-after"] == "3"
+    assert caught.value.response.headers["x-should-retry"] == "true"  # nothing was queued
 
 
 async def test_timeout_header_is_408_and_leaves_nothing_queued_to_run(gateway: Any, redis_url: str) -> None:
@@ -103,6 +104,7 @@ async def test_timeout_header_is_408_and_leaves_nothing_queued_to_run(gateway: A
             )
         assert_openai_error(caught.value, 408, "timeout")
         assert "cancelled" in caught.value.message
+        assert caught.value.response.headers["x-should-retry"] == "false"
 
 
 async def test_a_request_timed_out_in_the_queue_is_never_generated(
@@ -139,3 +141,4 @@ async def test_a_poisoned_request_is_500(gateway: Any, start_worker: Any) -> Non
     with pytest.raises(openai.InternalServerError) as caught:
         await answer
     assert_openai_error(caught.value, 500, "poison_request")
+    assert caught.value.response.headers["x-should-retry"] == "false"  # a retry would kill another engine
