@@ -13,7 +13,9 @@ import torch
 
 from tests.engine.conftest import load
 from tests.engine.test_engine import collect, greedy, tokens_of
-from worker.engine.errors import RequestRejected
+from worker.engine import prompt_scores
+from worker.engine.errors import EngineError, RequestRejected
+from worker.engine.prompt_scores import PromptScores
 from worker.engine.types import EngineRequest, OutputDelta, Resume, ScoredPrompt
 
 CHUNK = 32  # the engine's max_batch_tokens here: a prompt longer than it is prefilled over several steps
@@ -129,3 +131,33 @@ async def test_a_prompt_in_the_prefix_cache_is_still_scored_in_full(llama_dir: P
     assert engine.stats().prefix_cache_hits == hits
     await collect(engine.submit(EngineRequest("plain", input_ids=prompt, params=greedy(2))))
     assert (engine.stats().prefix_cache_hits or 0) > (hits or 0)  # the prompt was in the cache all along
+
+
+async def test_a_prompt_that_cannot_be_scored_fails_alone(
+    llama_dir: Path, make_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = await make_engine(llama_dir)
+
+    def broken(self: PromptScores, logits: torch.Tensor, positions: range) -> None:
+        raise RuntimeError("no scores today")
+
+    monkeypatch.setattr(PromptScores, "add", broken)
+    other = engine.submit(EngineRequest("other", input_ids=[3, 4, 5], params=greedy(8, ignore_eos=True)))
+    scored_stream = engine.submit(EngineRequest("scored", input_ids=[3, 4, 5, 6], params=greedy(8, prompt_logprobs=1)))
+    with pytest.raises(EngineError, match="could not be scored: RuntimeError: no scores today"):
+        await collect(scored_stream)
+    assert len(tokens_of(await collect(other))) == 8
+    assert engine.alive and engine.stats().restarts == 0
+
+
+def test_a_step_plans_the_rows_of_each_scored_chunk() -> None:
+    a = PromptScores(list(range(8)), top=0)  # nothing scored yet
+    c = PromptScores(list(range(7)), top=0)
+    c.scores = [(-1.0, [])] * 3  # positions 0-2 scored by earlier chunks
+    chunks = [("a", 0, 5), ("b", 10, 1), ("c", 3, 4)]  # batch rows 0-4, 5, 6-9
+    planned = prompt_scores.plan(chunks, {"a": a, "c": c})
+    assert [(p.scores, p.first_row, p.positions) for p in planned] == [(a, 0, range(0, 5)), (c, 6, range(3, 6))]
+    assert prompt_scores.rows(planned) == [0, 1, 2, 3, 4, 6, 7, 8]  # c's last position predicts no prompt token
+    gap = PromptScores(list(range(9)), top=0)
+    assert prompt_scores.plan([("g", 4, 3)], {"g": gap}) == []  # positions 0-3 never ran: it cannot be scored
+    assert gap.failed is not None and not gap.complete

@@ -275,13 +275,18 @@ def install_prompt_scoring(manager: Any, model: Any, scoring: Mapping[str, Promp
     def before(module: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         if not active or active["thread"] != threading.get_ident():
             return None
-        wanted = torch.tensor(prompt_scores.rows(active["plan"]), dtype=torch.int32, device=model.device)
-        active["wanted"] = wanted
         kept = kwargs.get("logits_to_keep")
-        active["kept"] = None
-        if isinstance(kept, torch.Tensor):
-            active["kept"] = kept.numel()
-            kwargs["logits_to_keep"] = torch.cat([kept.to(torch.int32), wanted])
+        kept = kept if isinstance(kept, torch.Tensor) else None  # None: the model returns every row's logits
+        try:
+            wanted = torch.tensor(prompt_scores.rows(active["plan"]), dtype=torch.int32, device=model.device)
+            if kept is not None:
+                kwargs["logits_to_keep"] = torch.cat([kept.to(torch.int32), wanted])
+        except Exception as error:  # never into the library's thread: these prompts fail, the step runs as ever
+            for chunk in active["plan"]:
+                chunk.scores.failed = f"{type(error).__name__}: {error}"
+            active.clear()
+            return None
+        active.update(wanted=wanted, kept=None if kept is None else kept.numel())
         return args, kwargs
 
     def after(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
@@ -301,14 +306,18 @@ def install_prompt_scoring(manager: Any, model: Any, scoring: Mapping[str, Promp
         model.register_forward_pre_hook(before, with_kwargs=True),
         model.register_forward_hook(after, with_kwargs=True),
     ]
-    cache = manager.batch_processor.cache
-    if cache.use_prefix_sharing:
-        search = cache.search_prefix_match
+    if manager.batch_processor.cache.use_prefix_sharing:
+        _no_prefix_match(manager.batch_processor.cache, scoring)
 
-        def search_unless_scored(request_id: str, prompt_ids: list[int]) -> int:
-            return 0 if request_id in scoring else int(search(request_id, prompt_ids))
 
-        cache.search_prefix_match = search_unless_scored
+def _no_prefix_match(cache: Any, scoring: Mapping[str, PromptScores]) -> None:
+    """A prefix-cache hit skips the positions it matches, whose logits a prompt being scored needs."""
+    search = cache.search_prefix_match
+
+    def search_unless_scored(request_id: str, prompt_ids: list[int]) -> int:
+        return 0 if request_id in scoring else int(search(request_id, prompt_ids))
+
+    cache.search_prefix_match = search_unless_scored
 
 
 def supports_paged_reads(cache: Any) -> bool:

@@ -37,7 +37,7 @@ class PromptScores:
     def positions(self, past: int, query: int) -> range:
         """The positions of a chunk [past, past + query) still to score. A chunk that starts past what is scored
         (positions the model did not run, as a prefix-cache hit skips them) cannot be: that prompt fails."""
-        if past > len(self.scores):
+        if self.failed is None and past > len(self.scores):
             self.failed = f"positions {len(self.scores)} to {past} of the prompt were not run"
         if self.failed is not None:
             return range(0)
@@ -74,7 +74,7 @@ def plan(chunks: Iterable[tuple[str, int, int]], scoring: Mapping[str, PromptSco
     planned, row = [], 0
     for library_id, past, query in chunks:
         scores = scoring.get(library_id)
-        if scores is not None and not scores.complete:
+        if scores is not None and scores.failed is None and not scores.complete:  # the library may run on
             positions = scores.positions(past, query)
             if positions:
                 planned.append(ChunkRows(scores, row + positions.start - past, positions))
