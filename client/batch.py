@@ -23,13 +23,13 @@ import itertools
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 from client.errors import Cancelled, InvalidRequest, LLMQError, ResultTimeout
-from client.openai_format import CHAT, COMPLETIONS, FieldError, completion_body, translate
+from client.openai_format import CHAT, COMPLETIONS, FieldError, Translated, completion_body, translate
 from client.protocol import Lane
 from client.sync import Client
 
@@ -45,6 +45,8 @@ class Line:
     options: dict[str, Any] = field(default_factory=dict)
     problem: str | None = None
     repeats: int | None = None  # the earlier line whose custom_id this one repeats
+    model: str | None = None  # the body's `model` (the HTTP Batch API picks the queue by it)
+    body_problem: bool = False  # the problem is in the body's fields, not in the line's shape
 
     @property
     def by_number(self) -> bool:
@@ -94,33 +96,50 @@ def parse_line(number: int, text: str, identity: str) -> Line:
     elif not isinstance(body, dict):
         line.problem = "body must be a JSON object"
     else:
-        line.options, line.problem = _options(body, line.url)
+        translated, line.problem = _translated(body, line.url)
+        line.options, line.model, line.body_problem = translated.options, translated.model, line.problem is not None
     line.options["request_id"] = line.request_id
     return line
 
 
-def _options(body: dict[str, Any], url: str) -> tuple[dict[str, Any], str | None]:
+def parse_lines(texts: Iterable[str], identity: str) -> Iterator[Line]:
+    """Every non-blank line of an input (numbered from 1), parsed; a line that repeats an earlier line's
+    `custom_id` comes as `Line.repeating` that earlier line."""
+    first_lines: dict[str, int] = {}  # custom_id -> the line that owns it, the first with it in the input
+    for number, text in enumerate(texts, 1):
+        if not text.strip():
+            continue
+        line = parse_line(number, text, identity)
+        if line.custom_id is not None and first_lines.setdefault(line.custom_id, number) != number:
+            line = line.repeating(first_lines[line.custom_id])
+        yield line
+
+
+def _translated(body: dict[str, Any], url: str) -> tuple[Translated, str | None]:
     try:
         translated = translate(body, url)
     except FieldError as error:
-        return {}, str(error)
+        return Translated(), str(error)
     if translated.stream:
-        return {}, "stream is not supported in a batch"
-    return translated.options, None
+        return Translated(), "stream is not supported in a batch"
+    return translated, None
 
 
 _CODES = ((InvalidRequest, "invalid_request"), (Cancelled, "cancelled"), (ResultTimeout, "timeout"))  # as the gateway
 
 
-def output_line(line: Line, model: str, result: Any = None, error: LLMQError | None = None) -> str:
-    """One output line in the OpenAI Batch format (plus `line` for a line known by its number)."""
+def output_line(
+    line: Line, model: str, result: Any = None, error: LLMQError | None = None, *, code: str = "invalid_request"
+) -> str:
+    """One output line in the OpenAI Batch format (plus `line` for a line known by its number). Without `result`
+    and `error`, the line is answered without running: its `problem`, under `code`."""
     request = line.request_id
     row: dict[str, Any] = {"id": f"batch_req_{request}", "custom_id": line.custom_id}
     if line.by_number:
         row["line"] = line.number
     if result is None:
-        if error is None:  # the line itself is wrong
-            failure = {"code": "invalid_request", "message": line.problem}
+        if error is None:  # the line itself is wrong (or, with another `code`, could not run)
+            failure = {"code": code, "message": line.problem}
         else:
             fallback = next((code for kind, code in _CODES if isinstance(error, kind)), "failed")
             code = getattr(error, "code", fallback)
@@ -215,14 +234,8 @@ def run_batch(
     indexes = itertools.count()
 
     def requests(sink: TextIO) -> Iterator[dict[str, Any]]:
-        first_lines: dict[str, int] = {}  # custom_id -> the line that owns it, the first with it in the file
         with source.open(encoding="utf-8-sig", errors="replace") as stream:
-            for number, text in enumerate(stream, 1):
-                if not text.strip():
-                    continue
-                line = parse_line(number, text, identity)
-                if line.custom_id is not None and first_lines.setdefault(line.custom_id, number) != number:
-                    line = line.repeating(first_lines[line.custom_id])
+            for line in parse_lines(stream, identity):
                 if done.holds(line):
                     continue
                 if line.problem is not None:
