@@ -4,6 +4,8 @@ works as well as `llmq-gateway`."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -15,10 +17,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from client import AsyncClient
+from client.connection import open_async
 from client.tracing import configure_from_env
 from gateway.auth import APIKeyMiddleware
+from gateway.batch_driver import BatchDriver
+from gateway.batch_store import BatchStore
+from gateway.batches import cancel_batch, create_batch, get_batch, list_batches
 from gateway.completions import chat_completions, completions
 from gateway.errors import APIError, from_exception, unknown_model
+from gateway.files import create_file, delete_file, file_content, get_file, list_files
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsMiddleware
 from gateway.models import ModelDirectory, ServedModel
 from gateway.settings import GatewaySettings
@@ -98,6 +105,15 @@ ROUTES = [
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+    Route("/v1/files", create_file, methods=["POST"]),
+    Route("/v1/files", list_files, methods=["GET"]),
+    Route("/v1/files/{file_id}", get_file, methods=["GET"]),
+    Route("/v1/files/{file_id}", delete_file, methods=["DELETE"]),
+    Route("/v1/files/{file_id}/content", file_content, methods=["GET"]),
+    Route("/v1/batches", create_batch, methods=["POST"]),
+    Route("/v1/batches", list_batches, methods=["GET"]),
+    Route("/v1/batches/{batch_id}", get_batch, methods=["GET"]),
+    Route("/v1/batches/{batch_id}/cancel", cancel_batch, methods=["POST"]),
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
 ]
@@ -129,11 +145,22 @@ def create_app(settings: GatewaySettings | None = None, *, client: AsyncClient |
         models = ModelDirectory(
             queue_client, settings.queue_names, stale_s=settings.worker_stale_s, refresh_s=settings.models_refresh_s
         )
-        app.state.gateway = Gateway(settings, queue_client, models, gateway_metrics, log)
+        store_redis = open_async(
+            settings.redis_url.get_secret_value(),
+            ssl_ca_certs=str(settings.redis_ca_file) if settings.redis_ca_file else None,
+            max_connections=settings.redis_max_connections,
+        )
+        store = BatchStore(store_redis, settings.prefix, settings.batch_ttl_s)
+        app.state.gateway = Gateway(settings, queue_client, models, gateway_metrics, log, store)
+        driver = asyncio.create_task(BatchDriver(store, queue_client, models, settings, log).run_forever())
         log.info("gateway_started", queues=settings.queue_names, api_keys=len(settings.keys))
         try:
             yield
         finally:
+            driver.cancel()  # lets go of its batches' leases, so another gateway takes them over at once
+            with contextlib.suppress(asyncio.CancelledError):
+                await driver
+            await store_redis.aclose()
             if client is None:
                 await queue_client.aclose()
 

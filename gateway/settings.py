@@ -72,6 +72,29 @@ class GatewaySettings(BaseSettings, LimitSettings):
     worker_stale_s: float = Field(default=15.0, gt=0, description="a worker silent this long no longer lists its model")
     models_refresh_s: float = Field(default=2.0, ge=0, description="how long the model -> queue map is reused")
 
+    # The Batch API (/v1/files, /v1/batches): files, batches and their results are kept in Redis.
+    batch_file_max_bytes: int = Field(
+        default=50_000_000, ge=1024, le=512_000_000, description="largest file /v1/files accepts (413 beyond)"
+    )
+    batch_max_lines: int = Field(default=50_000, ge=1, le=1_000_000, description="most requests in one batch")
+    batch_ttl_s: int = Field(
+        default=7 * 24 * 3600,
+        ge=60,
+        le=365 * 24 * 3600,
+        description="seconds a file or a finished batch (with its output) stays in Redis after its last change",
+    )
+    batch_lease_s: float = Field(
+        default=30.0,
+        ge=0.5,
+        le=3600,
+        description="a batch's lease: a batch whose gateway died is picked up by another this long after",
+    )
+    batch_window: int = Field(default=64, ge=1, le=10_000, description="requests of one batch in flight at once")
+    batch_max_running: int = Field(
+        default=4, ge=0, le=1000, description="batches one gateway drives at once (0: it only answers HTTP)"
+    )
+    batch_poll_s: float = Field(default=1.0, gt=0, le=60, description="how often a gateway looks for batches to drive")
+
     log_format: Literal["console", "json"] = Field(
         default="console", description="console for people, json for machines"
     )

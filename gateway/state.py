@@ -1,4 +1,5 @@
-"""What every handler shares: settings, the one queue client, the model directory and the metrics."""
+"""What every handler shares: settings, the one queue client, the model directory, the metrics and the Batch API's
+store."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 from structlog.typing import FilteringBoundLogger
 
 from client import AsyncClient
+from gateway.batch_store import BatchStore
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelDirectory
 from gateway.settings import GatewaySettings
@@ -19,3 +21,4 @@ class Gateway:
     models: ModelDirectory
     metrics: GatewayMetrics
     log: FilteringBoundLogger
+    batches: BatchStore

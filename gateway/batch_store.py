@@ -1,0 +1,252 @@
+"""Files and batches of the Batch API in Redis: a JSON record per object, a file's bytes, a batch's answers, an
+index per owner for listing and one of the batches still to drive, all expiring (`batch_ttl_s`), so what the API
+keeps is bounded and outlives any gateway.
+
+Keys (prefix `p`): a file's `{p:file:<id>}:meta` and `:data`; a batch's `{p:batch:<id>}:meta`, `:out` and
+`:err` (hashes custom_id -> output line: `HSETNX` makes each line's answer written once); an owner's
+`{p:owner:<hash>}:files` and `:batches` (sorted sets by creation); `{p:batches}:active`. Keys of one object share
+a hash tag and no command spans two objects, so every call is single-slot on a Redis Cluster.
+
+A record's fields starting with `_` are private (the owner, reserved file ids); the rest is the OpenAI object.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+Kind = Literal["files", "batches"]
+ANONYMOUS = "anonymous"  # the owner of everything while authentication is off
+WINDOW_S = 24 * 3600  # the one completion window (`24h`, as OpenAI's): a batch's keys outlive it
+
+
+def new_id(kind: Kind) -> str:
+    """An unguessable id in OpenAI's shape (`file-<hex>`, `batch_<hex>`), 128 random bits."""
+    return f"file-{secrets.token_hex(16)}" if kind == "files" else f"batch_{secrets.token_hex(16)}"
+
+
+def owner_of(authorization: str | None, auth_on: bool) -> str:
+    """Who owns what a request creates: a digest of its API key (never the key), or `ANONYMOUS` without auth."""
+    if not auth_on:
+        return ANONYMOUS
+    token = (authorization or "").partition(" ")[2].strip()
+    return hashlib.sha256(token.encode()).hexdigest()[:32]
+
+
+def public(record: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in record.items() if not key.startswith("_")}
+
+
+class BatchStore:
+    """Every read and write of the Batch API's state (`redis`: a `redis.asyncio` client or cluster client)."""
+
+    def __init__(self, redis: Any, prefix: str, ttl_s: int) -> None:
+        self.redis, self.prefix, self.ttl_s = redis, prefix, ttl_s
+
+    @property
+    def _batch_ttl_s(self) -> int:
+        """A batch's keys last `ttl_s` after its last change, and never end while it may still run."""
+        return self.ttl_s + WINDOW_S
+
+    def _key(self, kind: str, object_id: str, part: str) -> str:
+        return f"{{{self.prefix}:{kind}:{object_id}}}:{part}"
+
+    def _index(self, owner: str, kind: Kind) -> str:
+        return f"{{{self.prefix}:owner:{owner}}}:{kind}"
+
+    @property
+    def _active(self) -> str:
+        return f"{{{self.prefix}:batches}}:active"
+
+    async def shown(self, record: dict[str, Any]) -> dict[str, Any]:
+        """A record as its OpenAI object: a batch's request counts as they stand now."""
+        shown = public(record)
+        if record.get("object") == "batch" and record["status"] != "validating":
+            completed, failed = await self.counts(record["id"])
+            shown["request_counts"] = {**record["request_counts"], "completed": completed, "failed": failed}
+        return shown
+
+    # ------------------------------------------------------------------------------------------------ files
+
+    async def put_file(
+        self, owner: str, filename: str, purpose: str, data: bytes, file_id: str | None = None
+    ) -> dict[str, Any]:
+        """Stores a file (under a new id, or `file_id` when it was reserved) and lists it as `owner`'s."""
+        now, file_id = int(time.time()), file_id or new_id("files")
+        record: dict[str, Any] = {
+            "id": file_id,
+            "object": "file",
+            "bytes": len(data),
+            "created_at": now,
+            "filename": filename,
+            "purpose": purpose,
+            "status": "processed",
+            "status_details": None,
+            "expires_at": now + self.ttl_s,
+            "_owner": owner,
+        }
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self._key("file", file_id, "data"), data, ex=self.ttl_s)
+        pipe.set(self._key("file", file_id, "meta"), json.dumps(record), ex=self.ttl_s)
+        await pipe.execute()
+        await self._list_as(owner, "files", file_id)
+        return record
+
+    async def file(self, owner: str, file_id: str) -> dict[str, Any] | None:
+        """The file's record, or None when there is none or it is another owner's (they look the same)."""
+        return await self._record("file", owner, file_id)
+
+    async def file_data(self, file_id: str) -> bytes | None:
+        data: bytes | None = await self.redis.get(self._key("file", file_id, "data"))
+        return data
+
+    async def keep_file(self, file_id: str, seconds: int) -> None:
+        """Makes a file last at least `seconds` more (a batch reads its input until it ends)."""
+        for part in ("meta", "data"):
+            key = self._key("file", file_id, part)
+            if (await self.redis.ttl(key)) < seconds:
+                await self.redis.expire(key, seconds)
+
+    async def delete_file(self, owner: str, file_id: str) -> bool:
+        if await self.file(owner, file_id) is None:
+            return False
+        await self.redis.delete(self._key("file", file_id, "meta"))
+        await self.redis.delete(self._key("file", file_id, "data"))
+        await self.redis.zrem(self._index(owner, "files"), file_id)
+        return True
+
+    # ---------------------------------------------------------------------------------------------- batches
+
+    async def put_batch(self, record: dict[str, Any]) -> None:
+        """Stores a new batch, lists it as its owner's and as one to drive."""
+        await self.redis.set(self._key("batch", record["id"], "meta"), json.dumps(record), ex=self._batch_ttl_s)
+        await self._list_as(record["_owner"], "batches", record["id"])
+        await self.redis.zadd(self._active, {record["id"]: time.time()})
+
+    async def batch(self, owner: str | None, batch_id: str) -> dict[str, Any] | None:
+        """The batch's record (`owner` None: whoever owns it), or None."""
+        return await self._record("batch", owner, batch_id)
+
+    async def update(
+        self, batch_id: str, change: Callable[[dict[str, Any]], dict[str, Any] | None]
+    ) -> dict[str, Any] | None:
+        """Applies `change` (the record -> the fields to set, or None for no change) atomically against concurrent
+        updates (WATCH); returns the record as it is afterwards, or None when the batch is gone."""
+        key = self._key("batch", batch_id, "meta")
+
+        async def attempt(pipe: Any) -> dict[str, Any] | None:
+            raw = await pipe.get(key)
+            if raw is None:
+                return None
+            record: dict[str, Any] = json.loads(raw)
+            fields = change(record)
+            pipe.multi()
+            if fields:
+                record |= fields
+                pipe.set(key, json.dumps(record), ex=self._batch_ttl_s)
+            return record
+
+        result: dict[str, Any] | None = await self.redis.transaction(attempt, key, value_from_callable=True)
+        return result
+
+    async def counts(self, batch_id: str) -> tuple[int, int]:
+        """Lines answered so far: (completed, failed)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hlen(self._key("batch", batch_id, "out"))
+        pipe.hlen(self._key("batch", batch_id, "err"))
+        completed, failed = await pipe.execute()
+        return int(completed), int(failed)
+
+    async def answered(self, batch_id: str) -> set[str]:
+        """The custom_ids with an answer (in the output or the error file)."""
+        found: set[str] = set()
+        for part in ("out", "err"):  # a batch's lines are bounded (`batch_max_lines`)
+            found.update(name.decode() for name in await self.redis.hkeys(self._key("batch", batch_id, part)))
+        return found
+
+    async def answer(self, batch_id: str, answers: list[tuple[str, str, bool]]) -> None:
+        """Records (custom_id, output line, succeeded) answers; a line already answered keeps its first answer."""
+        out, err = self._key("batch", batch_id, "out"), self._key("batch", batch_id, "err")
+        pipe = self.redis.pipeline(transaction=False)
+        for custom_id, line, succeeded in answers:
+            pipe.hsetnx(out if succeeded else err, custom_id, line)
+        pipe.expire(out, self._batch_ttl_s)
+        pipe.expire(err, self._batch_ttl_s)
+        await pipe.execute()
+
+    async def answers(self, batch_id: str, succeeded: bool) -> bytes:
+        """The output (or error) file's content: every answer, one JSON line each."""
+        key = self._key("batch", batch_id, "out" if succeeded else "err")
+        lines = [line async for _, line in self.redis.hscan_iter(key)]
+        return b"".join(line + b"\n" for line in lines)
+
+    async def to_drive(self) -> list[str]:
+        """The batches not yet finished, oldest first."""
+        return [raw.decode() for raw in await self.redis.zrange(self._active, 0, -1)]
+
+    async def finished(self, batch_id: str) -> None:
+        await self.redis.zrem(self._active, batch_id)
+
+    # ---------------------------------------------------------------------------------------------- leases
+
+    async def take_lease(self, batch_id: str, token: str, seconds: float) -> bool:
+        """The lease of driving the batch, when no one holds it."""
+        taken = await self.redis.set(self._key("batch", batch_id, "lease"), token, nx=True, px=int(seconds * 1000))
+        return bool(taken)
+
+    async def renew_lease(self, batch_id: str, token: str, seconds: float) -> bool:
+        """Extends the lease while it is still `token`'s; False once another holds it. Not atomic: exactly once does
+        not rest on the lease (answers are written once, requests ids are derived), it only saves work."""
+        key = self._key("batch", batch_id, "lease")
+        if await self.redis.get(key) != token.encode():
+            return False
+        await self.redis.pexpire(key, int(seconds * 1000))
+        return True
+
+    async def release_lease(self, batch_id: str, token: str) -> None:
+        key = self._key("batch", batch_id, "lease")
+        if await self.redis.get(key) == token.encode():
+            await self.redis.delete(key)
+
+    # --------------------------------------------------------------------------------------------- listing
+
+    async def listed(self, owner: str, kind: Kind, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
+        """`owner`'s files or batches, newest first, from the one after `after`; and whether more follow."""
+        index = self._index(owner, kind)
+        start = 0
+        if after is not None:
+            rank = await self.redis.zrevrank(index, after)
+            start = 0 if rank is None else rank + 1
+        found: list[dict[str, Any]] = []
+        while len(found) <= limit:
+            ids = [raw.decode() for raw in await self.redis.zrevrange(index, start, start + limit)]
+            if not ids:
+                break
+            start += len(ids)
+            for object_id in ids:
+                record = await self._record("file" if kind == "files" else "batch", owner, object_id)
+                if record is None:
+                    await self.redis.zrem(index, object_id)  # expired: its index entry goes too
+                    start -= 1
+                else:
+                    found.append(record)
+        return found[:limit], len(found) > limit
+
+    async def _list_as(self, owner: str, kind: Kind, object_id: str) -> None:
+        index, now = self._index(owner, kind), time.time()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zadd(index, {object_id: now})
+        pipe.zremrangebyscore(index, "-inf", now - self.ttl_s)  # entries older than any record can be
+        pipe.expire(index, self.ttl_s)
+        await pipe.execute()
+
+    async def _record(self, kind: str, owner: str | None, object_id: str) -> dict[str, Any] | None:
+        raw = await self.redis.get(self._key(kind, object_id, "meta"))
+        if raw is None:
+            return None
+        record: dict[str, Any] = json.loads(raw)
+        return record if owner is None or record.get("_owner") == owner else None

@@ -1,0 +1,301 @@
+"""The Batch API over HTTP (`/v1/files`, `/v1/batches`) through the real `openai` SDK: a batch runs every line once
+with OpenAI-shaped output and error files, a malformed file fails it, a cancel stops it, another API key sees none
+of it, and a 500-line batch completes with every `custom_id` once across a gateway killed mid-batch."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Final
+
+import openai
+import pytest
+
+from client.connection import open_async
+from gateway.batch_store import BatchStore
+from gateway.batch_upload import split
+from gateway.errors import APIError
+from testing.redis_topologies import RedisClusterSet
+from testing.tiny_models import save_tiny_model
+from tests.gateway.batch_support import Stack, poll, redis_with_aof
+from tests.polling import wait_until
+
+CHAT: Final = "/v1/chat/completions"
+ENDED = {"completed", "failed", "expired", "cancelled"}
+
+
+def line(custom_id: Any, content: str = "hi", *, url: str = CHAT, model: str = "m", **body: Any) -> str:
+    request = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 3, **body}
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": request})
+
+
+def jsonl(lines: list[str]) -> bytes:
+    return ("\n".join(lines) + "\n").encode()
+
+
+def rows(data: bytes) -> list[dict[str, Any]]:
+    return [json.loads(text) for text in data.decode().splitlines() if text.strip()]
+
+
+async def ended(sdk: openai.AsyncOpenAI, batch_id: str, within_s: float = 60) -> Any:
+    found: list[Any] = []
+
+    async def done() -> bool:
+        found[:] = [await sdk.batches.retrieve(batch_id)]
+        return found[0].status in ENDED
+
+    await wait_until(done, within_s)
+    return found[0]
+
+
+async def submitted(sdk: openai.AsyncOpenAI, data: bytes, **options: Any) -> Any:
+    upload = await sdk.files.create(file=("input.jsonl", io.BytesIO(data)), purpose="batch")
+    return await sdk.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h", **options)
+
+
+async def test_a_batch_answers_every_line_once_in_openai_shape(gateway: Any, start_worker: Any) -> None:
+    await start_worker(real_model=True)
+    served = await gateway(batch_poll_s=0.05)
+    model = await served.model()
+    sdk = served.sdk()
+    lines = [line(f"req-{i}", f"question {i}", model=model, temperature=0) for i in range(8)]
+    lines.append(line("refused", model=model, n=2))  # a body llmq cannot run: answered in the error file
+    data = jsonl(lines)
+
+    upload = await sdk.files.create(file=("input.jsonl", io.BytesIO(data)), purpose="batch")
+    assert upload.id.startswith("file-") and upload.purpose == "batch" and upload.bytes == len(data)
+    assert (await sdk.files.retrieve(upload.id)).filename == "input.jsonl"
+    assert (await sdk.files.content(upload.id)).content == data
+    batch = await sdk.batches.create(
+        input_file_id=upload.id, endpoint=CHAT, completion_window="24h", metadata={"job": "nightly"}
+    )
+    assert batch.id.startswith("batch_") and batch.status == "validating" and batch.metadata == {"job": "nightly"}
+
+    batch = await ended(sdk, batch.id)
+    assert batch.status == "completed", batch
+    assert batch.request_counts is not None
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (9, 8, 1)
+    assert batch.created_at <= batch.in_progress_at <= batch.finalizing_at <= batch.completed_at
+    assert batch.model == model and batch.output_file_id and batch.error_file_id
+
+    output = rows((await sdk.files.content(batch.output_file_id)).content)
+    assert sorted(row["custom_id"] for row in output) == sorted(f"req-{i}" for i in range(8))
+    for row in output:
+        assert row["error"] is None and row["id"].startswith("batch_req_")
+        assert row["response"]["status_code"] == 200
+        body = row["response"]["body"]
+        assert body["object"] == "chat.completion" and body["model"] == model
+        assert body["id"] == row["response"]["request_id"]
+        assert isinstance(body["choices"][0]["message"]["content"], str)
+        assert body["usage"]["completion_tokens"] <= 3
+    assert len({row["response"]["request_id"] for row in output}) == 8
+    errors = rows((await sdk.files.content(batch.error_file_id)).content)
+    assert [(row["custom_id"], row["response"], row["error"]["code"]) for row in errors] == [
+        ("refused", None, "invalid_request")
+    ]
+    assert "n" in errors[0]["error"]["message"]
+    assert (await sdk.files.retrieve(batch.output_file_id)).purpose == "batch_output"
+    with pytest.raises(openai.ConflictError):  # an ended batch cannot be cancelled
+        await sdk.batches.cancel(batch.id)
+
+    deleted = await sdk.files.delete(upload.id)
+    assert deleted.deleted and deleted.id == upload.id
+    with pytest.raises(openai.NotFoundError):
+        await sdk.files.retrieve(upload.id)
+
+
+async def test_a_malformed_file_fails_the_batch_with_its_errors(gateway: Any, start_worker: Any) -> None:
+    await start_worker()
+    served = await gateway(batch_poll_s=0.05)
+    sdk = served.sdk()
+    data = jsonl(["not json", line("a"), line("a"), line("b", url="/v1/completions"), line("c", model="")])
+    batch = await ended(sdk, (await submitted(sdk, data)).id)
+    assert batch.status == "failed" and batch.failed_at is not None
+    assert batch.output_file_id is None and batch.errors is not None and batch.errors.data is not None
+    found = [(error.line, error.code) for error in batch.errors.data]
+    assert found == [
+        (1, "invalid_request"),
+        (3, "duplicate_custom_id"),
+        (4, "mismatched_endpoint"),
+        (5, "missing_required_parameter"),
+    ]
+
+    empty = await ended(sdk, (await submitted(sdk, b"\n")).id)
+    assert empty.status == "failed" and [e.code for e in empty.errors.data] == ["empty_file"]
+
+
+async def test_a_cancelled_batch_stops_and_keeps_what_finished(gateway: Any, start_worker: Any) -> None:
+    await start_worker(step_s=0.05)  # slow tokens: the batch is still running when the cancel comes
+    served = await gateway(batch_poll_s=0.05, batch_window=2)
+    model = await served.model()
+    sdk = served.sdk()
+    batch = await submitted(sdk, jsonl([line(f"r{i}", model=model, max_tokens=8) for i in range(30)]))
+
+    async def started() -> bool:
+        now = await sdk.batches.retrieve(batch.id)
+        return now.status == "in_progress" and now.request_counts is not None and now.request_counts.completed >= 1
+
+    await wait_until(started, 60)
+    cancelling = await sdk.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at is not None
+    batch = await ended(sdk, batch.id)
+    assert batch.status == "cancelled" and batch.cancelled_at is not None
+    assert batch.request_counts is not None and 1 <= batch.request_counts.completed < 30
+    assert batch.output_file_id is not None
+    output = rows((await sdk.files.content(batch.output_file_id)).content)
+    assert len(output) == batch.request_counts.completed == len({row["custom_id"] for row in output})
+    assert (await sdk.batches.cancel(batch.id)).status == "cancelled"  # a cancel again changes nothing
+
+
+async def test_files_and_batches_belong_to_their_api_key(gateway: Any, start_worker: Any) -> None:
+    await start_worker()
+    served = await gateway(api_keys="key-one,key-two", batch_file_max_bytes=4096, batch_poll_s=0.05)
+    one, two = served.sdk(api_key="key-one"), served.sdk(api_key="key-two")
+    models: list[str] = []
+
+    async def listed() -> bool:
+        models[:] = [m.id async for m in one.models.list()]
+        return bool(models)
+
+    await wait_until(listed)
+    model = models[0]
+    batch = await submitted(one, jsonl([line("x", model=model)]))
+    upload_id = batch.input_file_id
+    for call in (
+        two.files.retrieve(upload_id),
+        two.files.content(upload_id),
+        two.files.delete(upload_id),
+        two.batches.retrieve(batch.id),
+        two.batches.cancel(batch.id),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            await call
+    with pytest.raises(openai.NotFoundError):  # nor can it run another's file
+        await two.batches.create(input_file_id=upload_id, endpoint=CHAT, completion_window="24h")
+    assert [b.id async for b in two.batches.list()] == [] and [f.id async for f in two.files.list()] == []
+    assert [b.id async for b in one.batches.list()] == [batch.id]
+    assert upload_id in [f.id async for f in one.files.list()]
+    assert (await ended(one, batch.id)).status == "completed"
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        await one.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
+    assert refused.value.param == "purpose"
+    with pytest.raises(openai.APIStatusError) as too_big:
+        await one.files.create(file=("x.jsonl", io.BytesIO(b"x" * 5000)), purpose="batch")
+    assert too_big.value.status_code == 413
+    with pytest.raises(openai.BadRequestError):
+        await one.batches.create(input_file_id=upload_id, endpoint=CHAT, completion_window="1h")
+
+
+async def test_batches_list_newest_first_page_by_page(gateway: Any, start_worker: Any) -> None:
+    await start_worker()
+    served = await gateway(batch_max_running=0)  # this gateway drives none: the batches stay validating
+    sdk = served.sdk()
+    made = [(await submitted(sdk, jsonl([line("a")]))).id for _ in range(5)]
+    first = await sdk.batches.list(limit=2)
+    assert [b.id for b in first.data] == made[::-1][:2] and first.has_more
+    assert [b.id async for b in sdk.batches.list(limit=2)] == made[::-1]  # the SDK follows `after`
+    assert all(b.status == "validating" for b in first.data)
+
+
+# ------------------------------------------------------------------------------- across a gateway restart
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    stack = Stack(tmp_path, redis_with_aof(tmp_path / "redis"), save_tiny_model(tmp_path / "model", "llama"))
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.mark.slow  # several processes (redis-server, a worker, gateways)
+@pytest.mark.redis
+@pytest.mark.model
+def test_a_500_line_batch_completes_once_across_a_gateway_killed_mid_batch(stack: Stack) -> None:
+    lease = ("--batch-lease-s", "2", "--batch-poll-s", "0.2", "--batch-window", "32")
+    stack.start_worker()
+    first = stack.start_gateway("first", *lease)
+    stack.wait_ready()
+    sdk = openai.OpenAI(base_url=f"{first.url}/v1", api_key="unused", max_retries=0)
+    lines = [line(f"line-{i}", f"count to {i}", model=stack.model_id, max_tokens=2) for i in range(500)]
+    upload = sdk.files.create(file=("big.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    batch = sdk.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
+
+    def some_done() -> Any:
+        now = sdk.batches.retrieve(batch.id)
+        return now.request_counts is not None and now.request_counts.completed >= 20 and now
+
+    midway = poll(some_done, 120, every_s=0.05, what="some lines done")
+    os.killpg(first.process.popen.pid, signal.SIGKILL)  # no clean stop: its lease must expire
+    first.process.popen.wait(10)
+    del stack.gateways["first"]
+    assert midway.status == "in_progress" and midway.request_counts.completed < 400, "nearly done before the kill"
+
+    second = stack.start_gateway("second", *lease)
+    stack.wait_ready()
+    sdk = openai.OpenAI(base_url=f"{second.url}/v1", api_key="unused", max_retries=0)
+
+    def ended_sync() -> Any:
+        now = sdk.batches.retrieve(batch.id)
+        return now.status in ENDED and now
+
+    done = poll(ended_sync, 300, 0.2, "the batch ended")
+    assert done.status == "completed", done
+    assert done.request_counts is not None and (done.request_counts.completed, done.request_counts.failed) == (500, 0)
+    assert done.output_file_id is not None
+    output = rows(sdk.files.content(done.output_file_id).content)
+    assert sorted(row["custom_id"] for row in output) == sorted(f"line-{i}" for i in range(500))
+    assert len({row["response"]["request_id"] for row in output}) == 500
+
+
+# ------------------------------------------------------------------------------------------ uploads
+
+
+def test_a_multipart_body_gives_back_the_files_bytes_untouched() -> None:
+    data = b'{"a": 1}\r\n--not-the-boundary\r\n\x00\xff'
+    body = (
+        b'--XyZ\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        b'--XyZ\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n'
+        b"Content-Type: application/octet-stream\r\n\r\n" + data + b"\r\n--XyZ--\r\n"
+    )
+    parts = split(body, b"XyZ")
+    assert parts["purpose"].data == b"batch" and parts["purpose"].filename is None
+    assert parts["file"].data == data and parts["file"].filename == "in.jsonl"
+    with pytest.raises(APIError) as malformed:
+        split(b"--XyZ\r\nno end", b"XyZ")
+    assert malformed.value.status == 400
+
+
+# ------------------------------------------------------------------------------------------ Redis Cluster
+
+
+async def test_the_store_keeps_each_object_in_one_slot_of_a_redis_cluster(redis_cluster: RedisClusterSet) -> None:
+    redis = open_async(redis_cluster.seed_url)
+    store = BatchStore(redis, "llmq", ttl_s=3600)
+    try:
+        upload = await store.put_file("alice", "in.jsonl", "batch", b"{}\n")
+        assert await store.file_data(upload["id"]) == b"{}\n" and await store.file("bob", upload["id"]) is None
+        await store.keep_file(upload["id"], 7200)
+        batch = {"id": "batch_x", "object": "batch", "status": "validating", "_owner": "alice"}
+        await store.put_batch(batch | {"request_counts": {"total": 2, "completed": 0, "failed": 0}})
+        moved = await store.update("batch_x", lambda now: {"status": "in_progress"})
+        assert moved is not None and moved["status"] == "in_progress"
+        await store.answer("batch_x", [("a", "line a", True), ("b", "line b", False), ("a", "again", True)])
+        assert await store.counts("batch_x") == (1, 1) and await store.answered("batch_x") == {"a", "b"}
+        assert await store.answers("batch_x", True) == b"line a\n"
+        assert await store.take_lease("batch_x", "me", 5) and not await store.take_lease("batch_x", "you", 5)
+        assert await store.renew_lease("batch_x", "me", 5) and not await store.renew_lease("batch_x", "you", 5)
+        await store.release_lease("batch_x", "me")
+        assert await store.take_lease("batch_x", "you", 5)
+        assert [b["id"] for b in (await store.listed("alice", "batches", None, 10))[0]] == ["batch_x"]
+        assert (await store.listed("bob", "files", None, 10)) == ([], False)
+        assert await store.to_drive() == ["batch_x"]
+        assert await store.delete_file("alice", upload["id"]) and await store.file_data(upload["id"]) is None
+    finally:
+        await redis.aclose()
