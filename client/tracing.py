@@ -24,11 +24,12 @@ from client.protocol import GenerateRequest, encode_trace
 if TYPE_CHECKING:
     from client.store import Keys
 
-# The one optional import of OpenTelemetry (the worker's and the gateway's tracing use these two): None without it.
+# The one optional import of OpenTelemetry (the worker's and the gateway's tracing use these): None without it.
 try:
+    from opentelemetry import context as otel_context
     from opentelemetry import propagate, trace
 except ImportError:  # tracing is optional: the `tracing` extra
-    propagate = trace = None  # type: ignore[assignment]
+    otel_context = propagate = trace = None  # type: ignore[assignment]
 
 TRACER_NAME = "llmq.client"
 SUBMIT_SPAN = "llmq.submit"

@@ -1,6 +1,6 @@
 """OpenTelemetry for the gateway: a SERVER span per HTTP request, continuing the caller's trace when its headers
-carry one (W3C `traceparent`, through the configured propagator), and current while the request is served, so
-the client's `llmq.submit` span (and through the queue, the worker's spans) nest under it.
+carry one (W3C `traceparent` and `baggage`, through the configured propagators), and current while the request is
+served, so the client's `llmq.submit` span (and through the queue, the worker's spans) nest under it.
 
 Named and attributed as OpenTelemetry's HTTP server conventions say (`POST /v1/chat/completions`, with
 `http.request.method`, `http.route`, `url.path`, `http.response.status_code`; a 5xx answer marks it failed). It ends
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from client.tracing import propagate, trace, tracer
+from client.tracing import otel_context, propagate, trace, tracer
 
 TRACER_NAME = "llmq.gateway"
 
@@ -50,19 +50,22 @@ class TracingMiddleware:
             attributes["http.route"] = route
         if "user-agent" in headers:
             attributes["user_agent.original"] = headers["user-agent"]
-        with found.start_as_current_span(
-            f"{method} {route}" if route else method,
-            context=propagate.extract(headers),
-            kind=trace.SpanKind.SERVER,
-            attributes=attributes,
-        ) as span:
+        # The caller's whole context is made current, not only passed as the span's parent: its baggage then
+        # rides on with the span into the submit's entry (and on to the worker) beside the traceparent.
+        token = otel_context.attach(propagate.extract(headers))
+        try:
+            with found.start_as_current_span(
+                f"{method} {route}" if route else method, kind=trace.SpanKind.SERVER, attributes=attributes
+            ) as span:
 
-            async def observed(message: Message) -> None:
-                if message["type"] == "http.response.start":
-                    status = message["status"]
-                    span.set_attribute("http.response.status_code", status)
-                    if status >= 500:
-                        span.set_status(trace.Status(trace.StatusCode.ERROR))
-                await send(message)
+                async def observed(message: Message) -> None:
+                    if message["type"] == "http.response.start":
+                        status = message["status"]
+                        span.set_attribute("http.response.status_code", status)
+                        if status >= 500:
+                            span.set_status(trace.Status(trace.StatusCode.ERROR))
+                    await send(message)
 
-            await self.app(scope, receive, observed)
+                await self.app(scope, receive, observed)
+        finally:
+            otel_context.detach(token)

@@ -746,17 +746,7 @@ def test_a_traces_endpoint_or_the_console_exporter_is_where_spans_go(
 @pytest.mark.parametrize(
     ("propagators", "baggage"),
     [
-        pytest.param(
-            None,
-            True,
-            id="default",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="bug: the gateway drops the caller's W3C baggage: its SERVER span starts with the extracted "
-                "context as parent only, so the submit's `t` carries the traceparent but never the baggage the "
-                "default propagators (tracecontext,baggage) read from the HTTP headers",
-            ),
-        ),
+        pytest.param(None, True, id="default"),
         pytest.param("tracecontext", False, id="tracecontext-only"),
     ],
 )
