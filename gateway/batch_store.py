@@ -105,11 +105,17 @@ class BatchStore:
         return data
 
     async def keep_file(self, file_id: str, seconds: int) -> None:
-        """Makes a file last at least `seconds` more (a batch reads its input until it ends)."""
-        for part in ("meta", "data"):
-            key = self._key("file", file_id, part)
-            if (await self.redis.ttl(key)) < seconds:
-                await self.redis.expire(key, seconds)
+        """Makes a file last at least `seconds` more, and its `expires_at` say so (a batch reads its input until it
+        ends)."""
+        key = self._key("file", file_id, "meta")
+        raw = await self.redis.get(key)
+        until = int(time.time()) + seconds
+        if raw is None or json.loads(raw)["expires_at"] >= until:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(key, json.dumps(json.loads(raw) | {"expires_at": until}), ex=seconds, xx=True)  # not if deleted
+        pipe.expire(self._key("file", file_id, "data"), seconds)
+        await pipe.execute()
 
     async def delete_file(self, owner: str, file_id: str) -> bool:
         if await self.file(owner, file_id) is None:

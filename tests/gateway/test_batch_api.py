@@ -74,6 +74,8 @@ async def test_a_batch_answers_every_line_once_in_openai_shape(gateway: Any, sta
         input_file_id=upload.id, endpoint=CHAT, completion_window="24h", metadata={"job": "nightly"}
     )
     assert batch.id.startswith("batch_") and batch.status == "validating" and batch.metadata == {"job": "nightly"}
+    kept = await sdk.files.retrieve(upload.id)  # the input outlives the batch's window
+    assert kept.expires_at is not None and kept.expires_at >= batch.expires_at + served.state.settings.batch_ttl_s
 
     batch = await ended(sdk, batch.id)
     assert batch.status == "completed", batch
@@ -110,8 +112,9 @@ async def test_a_batch_answers_every_line_once_in_openai_shape(gateway: Any, sta
 
 async def test_a_malformed_file_fails_the_batch_with_its_errors(gateway: Any, start_worker: Any) -> None:
     await start_worker()
-    served = await gateway(batch_poll_s=0.05)
+    served = await gateway(batch_poll_s=0.05, batch_max_lines=5)
     sdk = served.sdk()
+    model = await served.model()
     data = jsonl(["not json", line("a"), line("a"), line("b", url="/v1/completions"), line("c", model="")])
     batch = await ended(sdk, (await submitted(sdk, data)).id)
     assert batch.status == "failed" and batch.failed_at is not None
@@ -126,6 +129,10 @@ async def test_a_malformed_file_fails_the_batch_with_its_errors(gateway: Any, st
 
     empty = await ended(sdk, (await submitted(sdk, b"\n")).id)
     assert empty.status == "failed" and [e.code for e in empty.errors.data] == ["empty_file"]
+    long = await ended(sdk, (await submitted(sdk, jsonl([line(f"l{i}", model=model) for i in range(6)]))).id)
+    assert long.status == "failed" and [e.code for e in long.errors.data] == ["too_many_requests"]
+    unknown = await ended(sdk, (await submitted(sdk, jsonl([line("u", model="no-such-model")]))).id)
+    assert unknown.status == "failed" and [e.code for e in unknown.errors.data] == ["model_not_found"]
 
 
 async def test_a_cancelled_batch_stops_and_keeps_what_finished(gateway: Any, start_worker: Any) -> None:
@@ -149,6 +156,34 @@ async def test_a_cancelled_batch_stops_and_keeps_what_finished(gateway: Any, sta
     output = rows((await sdk.files.content(batch.output_file_id)).content)
     assert len(output) == batch.request_counts.completed == len({row["custom_id"] for row in output})
     assert (await sdk.batches.cancel(batch.id)).status == "cancelled"  # a cancel again changes nothing
+
+
+async def test_a_batch_past_its_window_expires_with_its_unfinished_lines_in_the_error_file(
+    gateway: Any, start_worker: Any
+) -> None:
+    await start_worker(step_s=0.05)
+    served = await gateway(batch_poll_s=0.05, batch_window=2)
+    model = await served.model()
+    sdk = served.sdk()
+    batch = await submitted(sdk, jsonl([line(f"r{i}", model=model, max_tokens=8) for i in range(30)]))
+
+    async def started() -> bool:
+        now = await sdk.batches.retrieve(batch.id)
+        return now.request_counts is not None and now.request_counts.completed >= 1
+
+    await wait_until(started, 60)
+    # the 24 hours pass: the batch's window ends now (its record, as the store keeps it)
+    await served.state.batches.update(batch.id, lambda record: {"expires_at": 0})
+    batch = await ended(sdk, batch.id)
+    assert batch.status == "expired" and batch.expired_at is not None
+    assert batch.request_counts is not None and batch.request_counts.completed >= 1
+    assert batch.request_counts.completed + batch.request_counts.failed == 30
+    assert batch.output_file_id is not None and batch.error_file_id is not None
+    output = rows((await sdk.files.content(batch.output_file_id)).content)
+    errors = rows((await sdk.files.content(batch.error_file_id)).content)
+    assert sorted(row["custom_id"] for row in output + errors) == sorted(f"r{i}" for i in range(30))
+    assert {row["error"]["code"] for row in errors} <= {"batch_expired", "expired"}
+    assert any(row["error"]["code"] == "batch_expired" for row in errors)
 
 
 async def test_files_and_batches_belong_to_their_api_key(gateway: Any, start_worker: Any) -> None:
