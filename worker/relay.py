@@ -9,7 +9,7 @@ from structlog.typing import FilteringBoundLogger
 from client.protocol import DoneEvent, ErrorEvent, TokensEvent, ms_now
 from client.scripts import PublishOutcome
 from client.store import Keys
-from worker.adapter import wire_error
+from worker.adapter import error_event
 from worker.engine import DeltaStream, EngineClosed, EngineError, EngineFailed, OutputDelta, TokenLogprob
 from worker.intake import Ready, done_event, target_of
 from worker.metrics import Metrics
@@ -129,10 +129,9 @@ class Relay:
             self._ids.extend(delta.token_ids)
 
     def fail(self, error: EngineError) -> None:
-        """Ends the request with the wire error its engine error maps to."""
-        wire = wire_error(error)
-        event = ErrorEvent(code=wire.code, message=str(error), retryable=wire.retryable)
-        self._send_final(event, self.trace.failed(str(wire.code), str(error)))
+        """Ends the request with the wire error its engine error maps to, naming the field a rejection blames."""
+        event = error_event(error)
+        self._send_final(event, self.trace.failed(str(event.code), str(error)))
 
     def _send_final(
         self, event: DoneEvent | ErrorEvent, written: Callable[[PublishOutcome | str], None] | None

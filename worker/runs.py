@@ -21,7 +21,7 @@ from structlog.typing import FilteringBoundLogger
 from client.failover import REDIS_FAILURES
 from client.protocol import LANES, Lane
 from client.scripts import HandBackReason
-from worker.adapter import engine_request, error_event, prompt_event
+from worker.adapter import engine_request, prompt_event
 from worker.engine import EngineError, EngineFailed, GenerationEngine, OutputDelta, Resume, ScoredPrompt
 from worker.engine.interface import DeltaStream
 from worker.intake import Ready, Start
@@ -94,11 +94,6 @@ class Run(Relay):
     def _publish_prompt(self, prompt: ScoredPrompt) -> None:
         if not self.fenced:
             self._publisher.prompt(self.target, prompt_event(prompt), seq=self.tokens)
-
-    def fail(self, error: EngineError) -> None:
-        """Ends the request with the wire error its engine error maps to, naming the field a rejection blames."""
-        event = error_event(error)
-        self._send_final(event, self.trace.failed(str(event.code), str(error)))
 
 
 class _PromptTap:
