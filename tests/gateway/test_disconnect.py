@@ -51,3 +51,24 @@ async def test_disconnect_while_waiting_for_a_whole_answer_cancels(gateway: Any,
     await wait_until(lambda: running.worker.engine.stats().running == 0, within_s=5)
     assert running.worker.engine.stats().requests_finished["cancelled"] == 1
     await wait_until(lambda: counted(served, "/v1/completions", "499", model) == 1)
+
+
+async def test_a_stream_with_an_idempotency_key_runs_on_and_its_retry_streams_it_all(
+    gateway: Any, start_worker: Any
+) -> None:
+    running = await start_worker(step_s=0.005)
+    served = await gateway()
+    model = await served.model()
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "stream": True}
+    headers = {"Idempotency-Key": "stream-1"}
+    async with served.http() as http:
+        async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+            request_id = response.headers["x-request-id"]
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    break  # gone after the first event
+        retried = await http.post("/v1/chat/completions", json=body, headers=headers)
+    assert retried.headers["x-request-id"] == request_id
+    events = [line.removeprefix("data: ") for line in retried.text.split("\n\n") if line]
+    assert events[-1] == "[DONE]" and '"finish_reason":"length"' in events[-2]
+    assert running.worker.engine.stats().requests_finished == {"length": 1}  # not cancelled, run once
