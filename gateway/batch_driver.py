@@ -147,7 +147,10 @@ class BatchRun:
             record = validated
         if record["status"] == "in_progress" and time.time() < record["expires_at"]:
             self.lines = asyncio.create_task(self._run_lines(record, data))
-            await asyncio.wait({self.lines})  # it ends by itself, or is stopped (`stop_lines`)
+            try:
+                await asyncio.wait({self.lines})  # it ends by itself, or is stopped (`stop_lines`)
+            finally:
+                self.lines.cancel()  # this run is stopped (lease lost, gateway stopping): its lines stop with it
             if not self.lines.cancelled():
                 self.lines.result()  # raises what failed it: the batch is retried later
         await self._finish(data)
