@@ -129,7 +129,7 @@ async def test_parameters_pass_through(gateway: Any, start_worker: Any) -> None:
             model=model,
             messages=[{"role": "user", "content": "hi"}],
             max_tokens=2,
-            service_tier=tier,  # type: ignore[arg-type]
+            service_tier=tier,
         )
         assert chat.choices[0].message.content == "".join(tokens[:2])
 
@@ -145,19 +145,19 @@ SCHEMA = {
 async def test_logprobs_and_a_json_schema_through_the_sdk(gateway: Any, start_worker: Any, redis_url: str) -> None:
     import json
 
-    import jsonschema
+    import jsonschema  # type: ignore[import-untyped]
 
     await start_worker(real_model=True)
     served = await gateway()
     model, sdk = await served.model(), served.sdk()
     async with AsyncClient(redis_url) as direct:
-        job = await direct.submit(messages=QUESTION, max_new_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+        job = await direct.submit(messages=[*QUESTION], max_new_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
         reference = await job.result(timeout=60)
     assert reference.logprobs is not None
     whole = await sdk.chat.completions.create(
         model=model, messages=QUESTION, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
     )
-    content = whole.choices[0].logprobs.content  # type: ignore[union-attr]
+    content = whole.choices[0].logprobs.content
     assert [c.logprob for c in content] == [lp.logprob for lp in reference.logprobs]
     assert [c.token for c in content] == [lp.text for lp in reference.logprobs]
     assert all(len(c.top_logprobs) == 2 for c in content)
@@ -173,7 +173,7 @@ async def test_logprobs_and_a_json_schema_through_the_sdk(gateway: Any, start_wo
     assert [c.logprob for c in streamed] == [c.logprob for c in content]
     completion = await sdk.completions.create(model=model, prompt="The sky is", max_tokens=5, temperature=0, logprobs=2)
     assert completion.choices[0].logprobs is not None
-    assert len(completion.choices[0].logprobs.token_logprobs or []) == completion.usage.completion_tokens  # type: ignore[union-attr]
+    assert len(completion.choices[0].logprobs.token_logprobs or []) == completion.usage.completion_tokens
     shaped = await sdk.chat.completions.create(
         model=model,
         messages=QUESTION,
