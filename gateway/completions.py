@@ -48,13 +48,14 @@ async def completions(request: Request) -> Response:
 
 @dataclass
 class Call:
-    """What is known of one HTTP call so far, for the error that may end it: whether it carried an
-    `Idempotency-Key`, how it named its token budget, and its job once the submit began."""
+    """What is known of one HTTP call so far, for the error that may end it: how it named its token budget,
+    whether it carried an `Idempotency-Key`, whether its submit began (a generation may exist from then on: see
+    `once_submitted`) and its job once submitted (whose id the error's `X-Request-Id` carries)."""
 
     url: str
     idempotent: bool = False
     max_tokens_field: str = "max_tokens"
-    submitting: bool = False  # from the submit on, a generation may exist
+    submitting: bool = False
     job: AsyncJob | None = None
 
 
