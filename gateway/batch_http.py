@@ -55,13 +55,17 @@ async def owned(request: Request, kind: Literal["file", "batch"]) -> dict[str, A
     return record
 
 
-async def listing(request: Request, kind: Kind, *, default_limit: int, most: int) -> Response:
-    """A page of the caller's files or batches, newest first, in OpenAI's cursor shape (`after`, `limit`)."""
+async def listing(
+    request: Request, kind: Kind, *, default_limit: int, most: int, keep: Callable[[dict[str, Any]], bool] = bool
+) -> Response:
+    """A page of the caller's files or batches (those `keep` keeps), newest first, in OpenAI's cursor shape
+    (`after`, `limit`)."""
     gateway: Gateway = request.app.state.gateway
     raw = request.query_params.get("limit", str(default_limit))
     if not raw.isdigit() or not 1 <= int(raw) <= most:
         raise APIError(400, f"limit must be an integer from 1 to {most}.", code="invalid_request", param="limit")
-    records, more = await gateway.batches.listed(owner(request), kind, request.query_params.get("after"), int(raw))
+    after = request.query_params.get("after")
+    records, more = await gateway.batches.listed(owner(request), kind, after, int(raw), keep)
     data = [await gateway.batches.shown(record) for record in records]
     first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
     return JSONResponse({"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": more})

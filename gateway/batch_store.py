@@ -220,13 +220,18 @@ class BatchStore:
 
     # --------------------------------------------------------------------------------------------- listing
 
-    async def listed(self, owner: str, kind: Kind, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
-        """`owner`'s files or batches, newest first, from the one after `after`; and whether more follow."""
+    async def listed(
+        self, owner: str, kind: Kind, after: str | None, limit: int, keep: Callable[[dict[str, Any]], bool] = bool
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """`owner`'s files or batches that `keep` keeps, newest first, from the one after `after` (an id not listed
+        there ends the listing); and whether more follow."""
         index = self._index(owner, kind)
         start = 0
         if after is not None:
             rank = await self.redis.zrevrank(index, after)
-            start = 0 if rank is None else rank + 1
+            if rank is None:
+                return [], False
+            start = rank + 1
         found: list[dict[str, Any]] = []
         while len(found) <= limit:
             ids = [raw.decode() for raw in await self.redis.zrevrange(index, start, start + limit)]
@@ -238,7 +243,7 @@ class BatchStore:
                 if record is None:
                     await self.redis.zrem(index, object_id)  # expired: its index entry goes too
                     start -= 1
-                else:
+                elif keep(record):
                     found.append(record)
         return found[:limit], len(found) > limit
 

@@ -57,4 +57,8 @@ async def delete_file(request: Request) -> Response:
 
 @answered
 async def list_files(request: Request) -> Response:
-    return await listing(request, "files", default_limit=10_000, most=10_000)
+    """The caller's files, newest first; `purpose` keeps those of one purpose (`batch`, `batch_output`)."""
+    purpose = request.query_params.get("purpose")
+    return await listing(
+        request, "files", default_limit=10_000, most=10_000, keep=lambda record: purpose in (None, record["purpose"])
+    )

@@ -101,6 +101,8 @@ async def test_a_batch_answers_every_line_once_in_openai_shape(gateway: Any, sta
     ]
     assert "n" in errors[0]["error"]["message"]
     assert (await sdk.files.retrieve(batch.output_file_id)).purpose == "batch_output"
+    outputs = [f.id async for f in sdk.files.list(purpose="batch_output")]
+    assert sorted(outputs) == sorted([batch.output_file_id, batch.error_file_id])
     with pytest.raises(openai.ConflictError):  # an ended batch cannot be cancelled
         await sdk.batches.cancel(batch.id)
 
@@ -224,6 +226,18 @@ async def test_files_and_batches_belong_to_their_api_key(gateway: Any, start_wor
     assert too_big.value.status_code == 413
     with pytest.raises(openai.BadRequestError):
         await one.batches.create(input_file_id=upload_id, endpoint=CHAT, completion_window="1h")
+
+
+async def test_two_gateways_share_the_batches_and_answer_each_line_once(gateway: Any, start_worker: Any) -> None:
+    await start_worker()
+    first, second = await gateway(batch_poll_s=0.05), await gateway(batch_poll_s=0.05)
+    model = await first.model()
+    batches = [await submitted(first.sdk(), jsonl([line(f"{n}-{i}", model=model) for i in range(20)])) for n in "ab"]
+    for letter, batch in zip("ab", batches, strict=True):  # either gateway answers for any batch: the state is in Redis
+        done = await ended(second.sdk(), batch.id)
+        assert done.status == "completed" and done.output_file_id is not None
+        output = rows((await first.sdk().files.content(done.output_file_id)).content)
+        assert sorted(row["custom_id"] for row in output) == sorted(f"{letter}-{i}" for i in range(20))
 
 
 async def test_batches_list_newest_first_page_by_page(gateway: Any, start_worker: Any) -> None:
