@@ -28,6 +28,7 @@ from gateway.errors import APIError, from_exception, unknown_model
 from gateway.files import create_file, delete_file, file_content, get_file, list_files
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsMiddleware
 from gateway.models import ModelDirectory, ServedModel
+from gateway.request_ids import RequestIdMiddleware
 from gateway.settings import GatewaySettings
 from gateway.state import Gateway
 from gateway.tracing import TracingMiddleware
@@ -169,6 +170,7 @@ def create_app(settings: GatewaySettings | None = None, *, client: AsyncClient |
         routes=ROUTES,
         middleware=[
             Middleware(TracingMiddleware, routes=routes),  # outermost: the span covers the others too
+            Middleware(RequestIdMiddleware),  # every answer gets an X-Request-Id, 401s included
             Middleware(MetricsMiddleware, metrics=gateway_metrics, routes=routes),
             Middleware(APIKeyMiddleware, keys=settings.keys),
         ],

@@ -24,26 +24,10 @@ from client.protocol import ENTRY_FIELD, ErrorEvent, decode_request, ms_now
 from client.store import Keys
 from gateway.auth import APIKeyMiddleware
 from gateway.request_ids import RequestIdMiddleware
-from tests.gateway import conftest
 from tests.polling import wait_until
 
 HI = [{"role": "user", "content": "hi"}]
 KEYS = Keys("default")
-
-
-@pytest.fixture(autouse=True)
-def request_ids(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Gateways with `RequestIdMiddleware` outermost but tracing, as `gateway/app.py` is to register it (a no-op
-    once it does)."""
-    create_app = conftest.create_app
-
-    def with_request_ids(*args: Any, **kwargs: Any) -> Starlette:
-        app = create_app(*args, **kwargs)
-        if all(m.cls is not RequestIdMiddleware for m in app.user_middleware):
-            app.user_middleware.insert(1, Middleware(RequestIdMiddleware))
-        return app
-
-    monkeypatch.setattr(conftest, "create_app", with_request_ids)
 
 
 @pytest.fixture
