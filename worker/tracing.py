@@ -108,13 +108,15 @@ class RequestTrace:
         self, reason: str, *, prompt_tokens: int, completion_tokens: int
     ) -> Callable[[PublishOutcome | str], None] | None:
         """The engine finished it: the phase ends, and the publish span starts; the callback (for
-        `Publisher.finish`) ends it and the CONSUMER span."""
+        `Publisher.finish`) ends it and the CONSUMER span. `prompt_tokens` is the request's prompt (its usage);
+        the attempt's input adds what a resumed attempt prefilled beyond it, the tokens already published."""
         if self._request is None:
             return None
+        resumed = len(self._ready.delivered_ids) if self._ready.attempt > 1 else 0
         self._request.set_attributes(
             {
                 "gen_ai.response.finish_reasons": [reason],
-                "gen_ai.usage.input_tokens": prompt_tokens,
+                "gen_ai.usage.input_tokens": prompt_tokens + resumed,
                 "gen_ai.usage.output_tokens": completion_tokens,
                 "llmq.finish_reason": reason,
             }
