@@ -436,6 +436,12 @@ class Intake:
             )
         return ready, refused
 
+    async def entry(self, entry_id: bytes, lane: Lane) -> bytes:
+        """The request stream entry as it was (its `m` field), while it is still there; empty once it is not."""
+        found = await self._redis.xrange(self._keys.lane(lane), entry_id, entry_id)
+        raw = found[0][1].get(ENTRY_FIELD) if found and found[0][1] else None
+        return raw if isinstance(raw, bytes) else b""
+
     async def dead_letter(self, letter: Letter) -> None:
         """Copies an entry to `{<queue>}:dead` (trimmed) and, unless the letter answers its reader, takes it off
         the request stream (a request with a reader is acknowledged with its `error` event instead)."""

@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 
 from client.backoff import jittered
 from client.failover import REDIS_FAILURES, reraise_lost_cancellation
-from client.protocol import LANES, ErrorCode, ErrorEvent, Lane, encode
+from client.protocol import LANES, ErrorCode, ErrorEvent, Lane
 from client.store import CONSUMER_GROUP, Scripts
 from client.tracing import configure_from_env
 from worker.cancels import CancelListener
@@ -331,17 +331,19 @@ class Worker:
         run = self.runs.writing(target)
         if run is not None:
             self.runs.stop(run, reason=Reason.REFUSED)
-        raw = b"" if run is None else encode(run.request)
         self.log.error("result stream refused; dead-lettered", request_id=target.request_id, error=redact(message))
-        letter = Letter(target.entry_id, raw, f"Redis refused the request's result events: {message}", target.lane)
-        self.runs.later(self._dead_letter_quietly(self.partitions.all[target.partition], letter))
+        reason = f"Redis refused the request's result events: {message}"
+        self.runs.later(self._dead_letter_refused(self.partitions.all[target.partition], target, reason))
 
-    async def _dead_letter_quietly(self, partition: Partition, letter: Letter) -> None:
+    async def _dead_letter_refused(self, partition: Partition, target: Target, reason: str) -> None:
+        """The letter keeps the entry as it was, read from its lane, where it waits (pending) until the letter
+        takes it off: a request refused before it ran (its keys refused at start) has no run to copy it from."""
         try:
-            await partition.intake.dead_letter(letter)
+            raw = await partition.intake.entry(target.entry_id, target.lane)
+            await partition.intake.dead_letter(Letter(target.entry_id, raw, reason, target.lane))
             self.metrics.dead_letters.inc()
         except REDIS_FAILURES as error:  # its lease lapses; another worker meets the same refusal: bounded
-            self.log.warning("dead-lettering failed", entry=letter.entry_id.decode(), error=redact(str(error)))
+            self.log.warning("dead-lettering failed", entry=target.entry_id.decode(), error=redact(str(error)))
 
     def _publish_failed(self, error: Exception) -> None:
         self.log.error("publishing results failed", error=redact(str(error)))

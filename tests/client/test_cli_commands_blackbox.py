@@ -799,12 +799,6 @@ async def test_a_real_dead_letter_is_listed_shown_replayed_and_completes(
     assert gone.rc == CODES["NOT_FOUND"], gone
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: the dead letter a worker writes when Redis refuses a request's result stream (a string at "
-    "{llmq:q}:result:ID) keeps no entry (raw empty, request_id null), so `llmq dead show ID` / `dead replay ID` "
-    "cannot find or replay it; docs/cli.md: each letter keeps its reason and the entry as it was",
-)
 async def test_a_letter_for_a_refused_result_stream_keeps_its_request(
     redis_url: str, server: aioredis.Redis, tmp_path: Path
 ) -> None:
