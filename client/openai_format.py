@@ -5,13 +5,14 @@ Pure functions, no I/O. A field we cannot honour is refused by name (`FieldError
 engine does not implement (`n > 1`, `logit_bias`, tools, ...) are accepted only at their no-op values, which
 some SDKs send by default; a few hints that change no answer (`prompt_cache_key`, `prompt_cache_options`,
 `prompt_cache_retention`, `safety_identifier`, `metadata`, a message's `name`) are accepted with any value of their
-type and dropped (docs/gateway.md lists what the popular SDKs send). `seed`,
-`logprobs`/`top_logprobs`, the penalties and `response_format` (`text`, `json_object`, `json_schema`, and llmq's
-`regex`) are applied per request.
+type and dropped (docs/gateway.md lists what the popular SDKs send). `seed`, `logprobs`/`top_logprobs`,
+completions' `echo` (with the prompt's logprobs), the penalties and `response_format` (`text`, `json_object`,
+`json_schema`, and llmq's `regex`) are applied per request.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,7 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled"
 
 _PASSED = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _SUPPORTED = {"model", "max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs", "response_format"}
-_SUPPORTED |= {"user", "stream", "stream_options", "service_tier", *_PASSED}
+_SUPPORTED |= {"user", "stream", "stream_options", "service_tier", "echo", *_PASSED}
 # Hints for OpenAI's own cache, abuse detection and stored completions: accepted with any value of their type and
 # dropped, since none changes the answer (llmq stores nothing and caches prefixes by itself).
 _IGNORED: dict[str, type] = {"prompt_cache_key": str, "prompt_cache_retention": str, "prompt_cache_options": dict}
@@ -37,7 +38,6 @@ _IGNORED |= {"safety_identifier": str, "metadata": dict}
 _NO_OP: dict[str, tuple[Any, ...]] = {
     "n": (1,),
     "best_of": (1,),
-    "echo": (False,),
     "logit_bias": ({},),
     "tools": ([],),
     "functions": ([],),
@@ -77,6 +77,7 @@ class Translated:
     user: str | None = None
     lane: Lane = "default"
     max_tokens_field: str = "max_tokens"  # the field that carried the token budget, for errors that name it
+    echo: bool = False  # completions' `echo: true`: the answer starts with the prompt (`echo_of`)
 
 
 def lane_for(service_tier: object) -> Lane:
@@ -88,10 +89,11 @@ def lane_for(service_tier: object) -> Lane:
     return TIERS[tier]
 
 
-def translate(body: dict[str, Any], url: str) -> Translated:
+def translate(body: dict[str, Any], url: str, *, echo_allowed: bool = False) -> Translated:
     """An OpenAI chat (`CHAT`) or completions (`COMPLETIONS`) body as `submit` arguments; raises `FieldError`
     naming the first field it cannot honour. Sampling values are checked against `BOUNDS` here too, so the
-    error names the OpenAI field (`max_tokens`, not `params.max_new_tokens`)."""
+    error names the OpenAI field (`max_tokens`, not `params.max_new_tokens`). `echo: true` is refused unless
+    `echo_allowed` (a caller that answers with `echo_of`: the gateway, not yet `llmq batch`)."""
     source = "messages" if url == CHAT else "prompt"
     _refuse_unsupported(body, source)
     if body.get(source) is None:
@@ -110,6 +112,11 @@ def translate(body: dict[str, Any], url: str) -> Translated:
     if body.get("service_tier") is not None:  # else the caller's default lane (`llmq batch`: batch)
         out.options["priority"] = out.lane
     params = _params(body, url)
+    out.echo = _echo(body, url, echo_allowed)
+    if out.echo and out.stream and "input_ids" in out.options:  # a stream's first delta lacks the first token's text
+        raise FieldError("echo", "a streamed echo needs a string prompt (a token-id prompt is echoed unstreamed)")
+    if out.echo:  # the prompt's tokens and scores (alternatives as `logprobs` asks); also allows max_tokens 0
+        params["prompt_logprobs"] = params.get("top_logprobs", 0)
     if body.get("max_completion_tokens") is not None:
         out.max_tokens_field = "max_completion_tokens"
     _check_params(params, url, out.max_tokens_field)
@@ -129,6 +136,16 @@ def _refuse_unsupported(body: dict[str, Any], source: str) -> None:
             raise FieldError(name, "is not supported by llmq")
         if not any(type(value) is type(v) and value == v for v in _NO_OP[name]):
             raise FieldError(name, f"only {' or '.join(map(repr, _NO_OP[name]))} is supported, not {value!r}")
+
+
+def _echo(body: dict[str, Any], url: str, allowed: bool) -> bool:
+    if not _optional(body, "echo", bool):
+        return False
+    if url == CHAT:
+        raise FieldError("echo", f"only false is supported on {CHAT} (OpenAI echoes prompts on {COMPLETIONS} only)")
+    if not allowed:
+        raise FieldError("echo", "only false is supported here")
+    return True
 
 
 def _optional(body: dict[str, Any], name: str, kind: type, label: str | None = None) -> Any:
@@ -231,7 +248,8 @@ def openai_param(wire: str, url: str, max_tokens_field: str = "max_tokens") -> s
     """The OpenAI field behind a wire field (`prompt`, `messages`, `input_ids`, `params.<name>`), for an error that
     names what the caller sent: the input is the endpoint's `messages` or `prompt` (the gateway may have sent it
     as any of the three), `params.max_new_tokens` is `max_tokens_field`, and a completions request's
-    `params.top_logprobs` is its `logprobs`. A name with no OpenAI field stays as it is."""
+    `params.top_logprobs` is its `logprobs` (and `params.prompt_logprobs` its `echo`, which asked for them). A
+    name with no OpenAI field stays as it is."""
     if wire in ("prompt", "messages", "input_ids"):
         return "messages" if url == CHAT else "prompt"
     name = wire.removeprefix("params.")
@@ -239,6 +257,8 @@ def openai_param(wire: str, url: str, max_tokens_field: str = "max_tokens") -> s
         return max_tokens_field
     if name == "top_logprobs" and url == COMPLETIONS:
         return "logprobs"
+    if name == "prompt_logprobs" and url == COMPLETIONS:
+        return "echo"
     return name
 
 
@@ -250,15 +270,47 @@ def usage_body(usage: Usage) -> dict[str, int]:
     }
 
 
+@dataclass(frozen=True)
+class Echo:
+    """The prompt an `echo: true` completion starts with: its text, and when `logprobs` was asked its tokens' own
+    texts and scores (the first None: nothing predicts it)."""
+
+    text: str
+    tokens: list[str] = field(default_factory=list)
+    scores: list[TokenLogprob | None] | None = None  # one per token in `tokens`
+
+
+def echo_of(
+    asked: Translated, scores: list[TokenLogprob | None] | None, tokens: list[str] | None = None
+) -> Echo | None:
+    """What to echo for `asked` (None unless it asked), from the prompt's scores (`Result.prompt_logprobs` or the
+    first `Delta`'s) and its tokens' texts (`Result.prompt_tokens`). A string prompt is echoed as sent, a
+    token-id prompt as its tokens' texts joined. Without `tokens` (a stream's delta has only the scores, and the
+    first token has none), the first token's text is what the string prompt holds before the other tokens'
+    texts: exact when the tokens' texts make up the prompt (byte-level BPE without a BOS token), else empty."""
+    if not asked.echo:
+        return None
+    prompt = asked.options.get("prompt")
+    if tokens is None and scores is not None and isinstance(prompt, str):
+        rest = [score.text if score is not None else "" for score in scores[1:]]
+        tail = "".join(rest)
+        tokens = [prompt[: len(prompt) - len(tail)] if prompt.endswith(tail) else "", *rest]
+    text = prompt if isinstance(prompt, str) else "".join(tokens or [])
+    if not asked.options.get("logprobs") or tokens is None or scores is None:
+        return Echo(text)
+    return Echo(text, tokens, scores)
+
+
 def logprobs_body(
-    url: str, logprobs: list[TokenLogprob] | None, text: str = "", text_offset: int = 0
+    url: str, logprobs: list[TokenLogprob] | None, text: str = "", text_offset: int = 0, echo: Echo | None = None
 ) -> dict[str, Any] | None:
     """Tokens' log-probabilities in OpenAI's shape: chat's `{"content": [...]}`, or completions' parallel lists
     (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`: where each token starts in `text`, the text these
-    tokens produced, counted from `text_offset`)."""
-    if logprobs is None:
-        return None
+    tokens produced, counted from `text_offset`). A completion's `echo` with scores comes first: its prompt's
+    tokens (the first's `token_logprobs` and `top_logprobs` null), then these, counted on after its text."""
     if url == CHAT:
+        if logprobs is None:
+            return None
         content = [
             {
                 **_token(lp.text, lp.logprob),
@@ -267,12 +319,27 @@ def logprobs_body(
             for lp in logprobs
         ]
         return {"content": content, "refusal": None}
-    return {
-        "tokens": [lp.text for lp in logprobs],
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{text: value for _, value, text in lp.top} for lp in logprobs],
-        "text_offset": [text_offset + offset for offset in token_offsets([lp.text for lp in logprobs], text)],
-    }
+    scored = echo if echo is not None and echo.scores is not None else None
+    if logprobs is None and scored is None:
+        return None
+    body: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    if scored is not None and scored.scores is not None:
+        _extend(body, scored.tokens, scored.scores, scored.text, text_offset)
+        text_offset += len(scored.text)
+    if logprobs is not None:
+        _extend(body, [lp.text for lp in logprobs], logprobs, text, text_offset)
+    return body
+
+
+def _extend(
+    body: dict[str, list[Any]], tokens: list[str], scores: Sequence[TokenLogprob | None], text: str, start: int
+) -> None:
+    """Adds completions' lists for `tokens` (scored by `scores`, None for a token nothing predicts), which
+    produced `text`, counting their offsets from `start`."""
+    body["tokens"] += tokens
+    body["token_logprobs"] += [None if lp is None else lp.logprob for lp in scores]
+    body["top_logprobs"] += [None if lp is None else {text: value for _, value, text in lp.top} for lp in scores]
+    body["text_offset"] += [start + offset for offset in token_offsets(tokens, text)]
 
 
 def token_offsets(tokens: list[str], text: str) -> list[int]:
@@ -308,15 +375,17 @@ def completion_body(
     finish_reason: str,
     usage: Usage,
     logprobs: list[TokenLogprob] | None = None,
+    echo: Echo | None = None,
 ) -> dict[str, Any]:
-    """A whole answer as OpenAI's `chat.completion` or `text_completion` object."""
+    """A whole answer as OpenAI's `chat.completion` or `text_completion` object (a completion's text after
+    `echo`'s, when it asked for one)."""
     choice: dict[str, Any] = {"index": 0}
     if url == CHAT:
         choice["message"] = {"role": "assistant", "content": text}
         kind = "chat.completion"
     else:
-        choice["text"], kind = text, "text_completion"
-    choice["logprobs"] = logprobs_body(url, logprobs, text)
+        choice["text"], kind = (echo.text if echo is not None else "") + text, "text_completion"
+    choice["logprobs"] = logprobs_body(url, logprobs, text, echo=echo)
     choice["finish_reason"] = FINISH_REASONS.get(finish_reason, "stop")
     return {
         "id": request_id,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from client import Delta
-from client.openai_format import CHAT, FINISH_REASONS, logprobs_body, usage_body
+from client.openai_format import CHAT, FINISH_REASONS, Echo, logprobs_body, usage_body
 from client.protocol import Usage
 
 
@@ -32,11 +32,15 @@ class ChunkMaker:
             chunk["usage"] = usage_body(usage)
         return chunk
 
-    def text(self, delta: Delta | None, *, first: bool = False, offset: int = 0) -> dict[str, Any]:
+    def text(
+        self, delta: Delta | None, *, first: bool = False, offset: int = 0, echo: Echo | None = None
+    ) -> dict[str, Any]:
         """New text, with its tokens' log-probabilities when asked (completions count `text_offset` from
-        `offset`, the text streamed before); a chat stream's first chunk also carries the assistant role."""
+        `offset`, the text streamed before); a chat stream's first chunk also carries the assistant role, and a
+        completion stream's first chunk the prompt it echoes (`echo`, with its scores when asked)."""
         text = delta.text if delta is not None else ""
-        logprobs = logprobs_body(self.url, delta.logprobs if delta is not None else None, text, offset)
+        logprobs = logprobs_body(self.url, delta.logprobs if delta is not None else None, text, offset, echo)
+        text = (echo.text if echo is not None else "") + text
         if self.url == CHAT:
             content: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
             return self._chunk([{"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": None}])

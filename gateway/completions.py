@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from client import AsyncJob, Delta, LLMQError, RequestFailed, ResultTimeout
 from client.errors import Cancelled, RedisUnavailable
-from client.openai_format import CHAT, COMPLETIONS, Translated, completion_body, translate
+from client.openai_format import CHAT, COMPLETIONS, Translated, completion_body, echo_of, translate
 from gateway.auth import bearer_token
 from gateway.chunks import ChunkMaker
 from gateway.errors import APIError, from_exception, once_submitted, unknown_model
@@ -90,7 +90,7 @@ async def _answer(request: Request, url: str) -> Response:
 async def _complete(gateway: Gateway, request: Request, call: Call, started: float) -> Response:
     url = call.url
     body = await read_json(request, gateway.settings.max_body_bytes)
-    asked = translate(body, url)
+    asked = translate(body, url, echo_allowed=True)
     call.max_tokens_field = asked.max_tokens_field
     if not asked.model:
         raise APIError(400, "model is required", code="invalid_request", param="model")
@@ -198,6 +198,7 @@ class Answer:
                 result.finish_reason,
                 result.usage,
                 result.logprobs,
+                echo_of(self.asked, result.prompt_logprobs, result.prompt_tokens),
             ),
             headers={"X-Request-Id": self.job.id},
         )
@@ -210,9 +211,12 @@ class Answer:
 
     async def _events(self, first: Delta | None, deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
         chunks = ChunkMaker(self.url, self.job.id, self.model, self.created)
-        ended, offset = False, 0
+        ended = False
+        # An echo's prompt comes on the first chunk: the first delta, which scores it, has no tokens.
+        echo = echo_of(self.asked, first.prompt_logprobs if first is not None else None)
+        offset = len(echo.text) if echo is not None else 0
         try:
-            yield event(chunks.text(first, first=True))
+            yield event(chunks.text(first, first=True, echo=echo))
             offset += len(first.text) if first is not None else 0
             async for delta in deltas:
                 if delta.text or delta.logprobs:

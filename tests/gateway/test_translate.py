@@ -20,8 +20,20 @@ from client.errors import (
     RequestFailed,
     ResultTimeout,
 )
-from client.openai_format import CHAT, COMPLETIONS, FieldError, lane_for, logprobs_body, token_offsets, translate
-from client.protocol import is_valid_name
+from client.openai_format import (
+    CHAT,
+    COMPLETIONS,
+    Echo,
+    FieldError,
+    completion_body,
+    echo_of,
+    lane_for,
+    logprobs_body,
+    openai_param,
+    token_offsets,
+    translate,
+)
+from client.protocol import Usage, is_valid_name
 from gateway.auth import authorized, bearer_token
 from gateway.completions import request_timeout
 from gateway.errors import SHOULD_RETRY, APIError, from_exception, once_submitted
@@ -165,9 +177,72 @@ def test_what_cannot_be_honoured_is_refused_by_name(body: dict[str, Any], field:
 def test_completions_refuse_several_prompts_and_chat_fields() -> None:
     with pytest.raises(FieldError, match="prompt"):
         translate({"prompt": ["a", "b"]}, COMPLETIONS)
-    with pytest.raises(FieldError) as caught:
+    with pytest.raises(FieldError) as caught:  # `llmq batch` does not echo yet
         translate({"prompt": "a", "echo": True}, COMPLETIONS)
     assert caught.value.field == "echo"
+
+
+def test_echo_scores_the_prompt_on_completions_only() -> None:
+    scored = translate({"prompt": "ab", "echo": True, "logprobs": 2, "max_tokens": 0}, COMPLETIONS, echo_allowed=True)
+    assert scored.echo and scored.options["prompt_logprobs"] == 2 and scored.options["max_new_tokens"] == 0
+    plain = translate({"prompt": [5, 6], "echo": True}, COMPLETIONS, echo_allowed=True)
+    assert plain.echo and plain.options["prompt_logprobs"] == 0 and "logprobs" not in plain.options
+    assert not translate({"prompt": "a", "echo": False}, COMPLETIONS, echo_allowed=True).echo  # SDKs may send it
+    assert "prompt_logprobs" not in translate({"messages": USER, "echo": False}, CHAT, echo_allowed=True).options
+    for body, url in (
+        ({"messages": USER, "echo": True}, CHAT),  # OpenAI has no echo on chat
+        ({"prompt": "a", "echo": "yes"}, COMPLETIONS),
+        ({"prompt": [5, 6], "echo": True, "stream": True}, COMPLETIONS),  # a stream lacks the first token's text
+    ):
+        with pytest.raises(FieldError) as caught:
+            translate(body, url, echo_allowed=True)
+        assert caught.value.field == "echo"
+    with pytest.raises(FieldError) as caught:  # without echo, nothing allows an empty answer
+        translate({"prompt": "a", "max_tokens": 0}, COMPLETIONS, echo_allowed=True)
+    assert caught.value.field == "max_tokens"
+    assert openai_param("params.prompt_logprobs", COMPLETIONS) == "echo"
+
+
+PROMPT_SCORES = [None, TokenLogprob(9, -1.25, " sky", [(9, -1.25, " sky"), (4, -2.0, " sea")])]
+GENERATED = [TokenLogprob(3, -0.5, " is", [(3, -0.5, " is"), (8, -1.0, " was")])]
+
+
+def test_an_echo_comes_before_the_generated_tokens_with_the_first_score_null() -> None:
+    asked = translate({"prompt": "The sky", "echo": True, "logprobs": 2}, COMPLETIONS, echo_allowed=True)
+    echo = echo_of(asked, PROMPT_SCORES, ["The", " sky"])
+    assert echo == Echo("The sky", ["The", " sky"], PROMPT_SCORES)
+    usage = Usage(prompt_tokens=2, completion_tokens=1)
+    choice = completion_body(COMPLETIONS, "r", "m", 0, " is", "length", usage, GENERATED, echo)["choices"][0]
+    assert choice["text"] == "The sky is"
+    assert choice["logprobs"] == {
+        "tokens": ["The", " sky", " is"],
+        "token_logprobs": [None, -1.25, -0.5],
+        "top_logprobs": [None, {" sky": -1.25, " sea": -2.0}, {" is": -0.5, " was": -1.0}],
+        "text_offset": [0, 3, 7],
+    }
+    # A stream's first delta has only the scores: the first token's text is the rest of the prompt before them.
+    assert echo_of(asked, PROMPT_SCORES) == echo
+    assert logprobs_body(COMPLETIONS, None, echo=echo) == {
+        "tokens": ["The", " sky"],
+        "token_logprobs": [None, -1.25],
+        "top_logprobs": [None, {" sky": -1.25, " sea": -2.0}],
+        "text_offset": [0, 3],
+    }
+
+
+def test_an_echo_without_logprobs_is_text_alone_and_token_ids_echo_their_texts() -> None:
+    asked = translate({"prompt": "The sky", "echo": True, "max_tokens": 0}, COMPLETIONS, echo_allowed=True)
+    echo = echo_of(asked, PROMPT_SCORES, ["The", " sky"])
+    assert echo == Echo("The sky")
+    body = completion_body(
+        COMPLETIONS, "r", "m", 0, "", "length", Usage(prompt_tokens=2, completion_tokens=0), echo=echo
+    )
+    assert body["choices"][0]["text"] == "The sky" and body["choices"][0]["logprobs"] is None
+    assert body["usage"]["completion_tokens"] == 0
+    ids = translate({"prompt": [1, 9], "echo": True, "logprobs": 0}, COMPLETIONS, echo_allowed=True)
+    by_ids = echo_of(ids, PROMPT_SCORES, ["The", " sky"])
+    assert by_ids is not None and by_ids.text == "The sky" and by_ids.tokens == ["The", " sky"]
+    assert echo_of(translate({"prompt": "x"}, COMPLETIONS, echo_allowed=True), PROMPT_SCORES) is None
 
 
 def test_service_tiers_map_to_lanes_in_one_place() -> None:
