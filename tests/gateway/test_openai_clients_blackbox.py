@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import re
 import threading
 import uuid
 from collections import Counter
@@ -39,6 +40,7 @@ ALICE, BOB = "k-alice", "k-bob"
 CHAT: Final[Literal["/v1/chat/completions"]] = "/v1/chat/completions"
 WORKER_MAX_NEW_TOKENS = 1600  # below the gateway's limit, so the worker is the one that refuses more
 LONG_PROMPT = "abc"  # greedy on the seed-0 tiny model: ~1,400 tokens before its end, seconds to cancel in
+BATCH_FILE_MAX_BYTES, BATCH_MAX_LINES = 200_000, 500
 ENDED = ("completed", "failed", "expired", "cancelled")
 
 
@@ -52,7 +54,16 @@ def fleet(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -
     fleet = Fleet(folder, redis_server, save_tiny_model(folder / "model", "llama", max_positions=2048))
     try:
         fleet.start_worker("--max-new-tokens", str(WORKER_MAX_NEW_TOKENS))
-        batch = ["--batch-file-max-bytes", "200000", "--batch-poll-s", "0.2", "--batch-lease-s", "3"]
+        batch = [
+            "--batch-file-max-bytes",
+            str(BATCH_FILE_MAX_BYTES),
+            "--batch-max-lines",
+            str(BATCH_MAX_LINES),
+            "--batch-poll-s",
+            "0.2",
+            "--batch-lease-s",
+            "3",
+        ]
         fleet.start_gateway("main", *batch, api_keys=[ALICE, BOB])
         tight = ["--queues", "default,idle", "--max-queue-len", "1", "--request-timeout-s", "2"]
         fleet.start_gateway("tight", *tight, "--batch-max-running", "0")
@@ -107,6 +118,14 @@ def settled_attempts(url: str, expected: float, **labels: str) -> float:
 def result_ids(fleet: Fleet) -> set[str]:
     with redis.Redis.from_url(fleet.redis_url) as db:
         return {key.decode().rsplit(":", 1)[1] for key in db.scan_iter(match="{llmq:default}:result:*", count=1000)}
+
+
+def lane_entries_added(fleet: Fleet, lane: str) -> int:
+    """Entries ever added to a lane's request stream (`{llmq:default}:requests[:<lane>]`, protocol.md): a submit of
+    an id already submitted adds none, so this counts distinct submissions."""
+    key = "{llmq:default}:requests" + ("" if lane == "default" else f":{lane}")
+    with redis.Redis.from_url(fleet.redis_url) as db:
+        return int(db.xinfo_stream(key)["entries-added"]) if db.exists(key) else 0
 
 
 def cancel_when_running(fleet: Fleet, before: set[str]) -> str:
@@ -296,6 +315,22 @@ def test_a_bad_timeout_or_idempotency_header_is_refused(fleet: Fleet, url: str, 
         )
     assert caught.value.response.headers.get("x-should-retry") == "false"
     assert header.lower() in caught.value.message.lower()
+    assert settled(fleet, generations) == generations
+
+
+def test_an_idempotency_key_of_an_expired_request_stays_expired(fleet: Fleet, url: str) -> None:
+    key = {"Idempotency-Key": f"bb-{uuid.uuid4()}"}
+    generations = fleet.generations()
+    answers = []
+    for headers, stream in [({**key, "X-Request-Timeout": "0.001"}, False), (key, False), (key, True)]:
+        with pytest.raises(openai.APIStatusError) as caught:
+            answer = sdk(url).chat.completions.create(
+                model=fleet.model_id, messages=ask("late"), max_tokens=3, stream=stream, extra_headers=headers
+            )
+            if stream:
+                list(answer)
+        answers.append((caught.value.status_code, caught.value.code, caught.value.request_id))
+    assert len(set(answers)) == 1 and answers[0][:2] == (408, "expired"), answers
     assert settled(fleet, generations) == generations
 
 
@@ -586,13 +621,14 @@ def test_a_batch_runs_every_line_once_and_answers_in_openai_format(fleet: Fleet,
     llm = sdk(url)
     bad = batch_line("streamed", {"model": fleet.model_id, "messages": ask("s"), "max_tokens": 2, "stream": True})
     upload = llm.files.create(file=("in.jsonl", jsonl([*chat_lines(fleet.model_id, 30), bad])), purpose="batch")
-    assert upload.purpose == "batch" and upload.id.startswith("file-")
+    assert upload.purpose == "batch" and re.fullmatch("file-[0-9a-f]{32}", upload.id), upload.id
     assert llm.files.retrieve(upload.id).bytes == upload.bytes
     assert llm.files.content(upload.id).content == jsonl([*chat_lines(fleet.model_id, 30), bad])
     batch = llm.batches.create(
         input_file_id=upload.id, endpoint=CHAT, completion_window="24h", metadata={"job": "blackbox"}
     )
     assert batch.status == "validating" and batch.metadata == {"job": "blackbox"}
+    assert re.fullmatch("batch_[0-9a-f]{32}", batch.id), batch.id  # 128 random bits
     done = until_ended(lambda: llm.batches.retrieve(batch.id))
     assert done.status == "completed", done
     assert counts(done) == (31, 30, 1)
@@ -694,10 +730,25 @@ def test_a_batch_of_completions_answers_text_completions(fleet: Fleet, url: str)
 
 
 def test_a_batch_file_over_the_size_limit_is_413(url: str) -> None:
+    llm = sdk(url)
+    assert llm.files.create(file=("limit.jsonl", b"x" * BATCH_FILE_MAX_BYTES), purpose="batch").bytes == 200_000
+    before = {f.id for f in llm.files.list()}
     with pytest.raises(openai.APIStatusError) as caught:
-        sdk(url).files.create(file=("big.jsonl", b'{"custom_id": "x"}\n' * 12000), purpose="batch")
+        llm.files.create(file=("big.jsonl", b"x" * (BATCH_FILE_MAX_BYTES + 1)), purpose="batch")
     assert caught.value.status_code == 413
     assert caught.value.response.headers.get("x-should-retry") == "false"
+    assert {f.id for f in llm.files.list()} == before
+
+
+def test_a_batch_over_the_line_limit_fails_as_too_many_requests(fleet: Fleet, url: str) -> None:
+    llm = sdk(url)
+    upload = llm.files.create(
+        file=("many.jsonl", jsonl(chat_lines(fleet.model_id, BATCH_MAX_LINES + 1))), purpose="batch"
+    )
+    batch = llm.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
+    done = until_ended(lambda: llm.batches.retrieve(batch.id))
+    assert done.status == "failed" and done.errors is not None
+    assert [e.code for e in done.errors.data] == ["too_many_requests"]
 
 
 def test_a_file_for_another_purpose_is_refused(url: str) -> None:
@@ -724,7 +775,7 @@ def test_another_api_key_gets_404_for_someones_batch_and_files(fleet: Fleet, url
         with pytest.raises(openai.NotFoundError):
             call()
     assert batch.id not in [b.id for b in bob.batches.list()]
-    assert upload.id not in [f.id for f in bob.files.list()]
+    assert not {upload.id, done.output_file_id} & {f.id for f in bob.files.list()}
     assert alice.files.retrieve(upload.id).id == upload.id  # bob's delete did nothing
     assert alice.batches.retrieve(batch.id).status == "completed"
 
@@ -759,6 +810,7 @@ def test_a_batch_cancelled_mid_run_stops_and_keeps_what_finished(fleet: Fleet, u
 def test_a_500_line_batch_completes_each_line_once_across_a_gateway_kill(fleet: Fleet, url: str) -> None:
     llm = sdk(url, max_retries=5)
     generations = settled(fleet, 0)
+    submitted = {lane: lane_entries_added(fleet, lane) for lane in ("default", "batch")}
     upload = llm.files.create(file=("500.jsonl", jsonl(chat_lines(fleet.model_id, 500, max_tokens=2))), purpose="batch")
     batch = llm.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
 
@@ -776,6 +828,8 @@ def test_a_500_line_batch_completes_each_line_once_across_a_gateway_kill(fleet: 
     output = lines_of(llm, done.output_file_id)
     assert Counter(line["custom_id"] for line in output) == Counter(f"q{i}" for i in range(500))
     assert settled(fleet, generations + 500) == generations + 500  # each line generated once
+    assert lane_entries_added(fleet, "batch") == submitted["batch"] + 500  # on the batch lane, each line once
+    assert lane_entries_added(fleet, "default") == submitted["default"]
 
 
 # ------------------------------------------------------------------- item 5: prompt logprobs in the client
