@@ -9,6 +9,7 @@ from email.message import Message
 
 from starlette.requests import Request
 
+from gateway.bodies import read_body
 from gateway.errors import APIError
 
 OVERHEAD = 64 * 1024  # what the form may hold beside the file: boundaries, part headers, the other fields
@@ -36,17 +37,8 @@ async def read_form(request: Request, file_limit: int) -> dict[str, Part]:
     boundary = _param("content-type", content_type, "boundary")
     if not content_type.startswith("multipart/form-data") or not boundary:
         raise APIError(400, "Send the file as multipart/form-data.", code="invalid_request")
-    limit = file_limit + OVERHEAD
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large(file_limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(file_limit)
-        chunks.append(chunk)
-    parts = split(b"".join(chunks), boundary.encode())
+    body = await read_body(request, file_limit + OVERHEAD, too_large(file_limit))
+    parts = split(body, boundary.encode())
     if any(len(part.data) > file_limit for part in parts.values()):
         raise too_large(file_limit)
     return parts

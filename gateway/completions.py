@@ -25,6 +25,7 @@ from client import AsyncJob, Delta, LLMQError, RequestFailed, ResultTimeout
 from client.errors import Cancelled, RedisUnavailable
 from client.openai_format import CHAT, COMPLETIONS, Translated, completion_body, echo_of, translate
 from gateway.auth import bearer_token
+from gateway.bodies import read_body
 from gateway.chunks import ChunkMaker
 from gateway.errors import APIError, from_exception, once_submitted, unknown_model
 from gateway.metrics import CLIENT_CLOSED, label_model
@@ -126,26 +127,13 @@ async def _complete(gateway: Gateway, request: Request, call: Call, started: flo
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
     """The body as a JSON object, refusing more than `limit` bytes (413) before reading them all."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
     try:
-        body = json.loads(b"".join(chunks))
+        body = json.loads(await read_body(request, limit))
     except ValueError:
         raise APIError(400, "The body is not valid JSON.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "The body must be a JSON object.", code="invalid_json")
     return body
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"The body is over the limit of {limit} bytes.", code="request_too_large")
 
 
 def request_timeout(header: str | None, default_s: float) -> float:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from starlette.datastructures import Headers
+from starlette.requests import Request
 
 from client import TokenLogprob
 from client.errors import (
@@ -35,6 +36,7 @@ from client.openai_format import (
 )
 from client.protocol import Usage, is_valid_name
 from gateway.auth import authorized, bearer_token
+from gateway.bodies import read_body
 from gateway.completions import request_timeout
 from gateway.errors import SHOULD_RETRY, APIError, from_exception, once_submitted
 from gateway.request_ids import idempotent_request_id, request_id_for
@@ -437,3 +439,24 @@ def test_fields_that_would_change_the_answer_are_refused_by_name(extra: dict[str
     with pytest.raises(FieldError) as caught:
         translate({"model": "m", "messages": USER, **extra}, CHAT)
     assert caught.value.field == field
+
+
+def streamed(chunks: list[bytes], headers: list[tuple[bytes, bytes]] | None = None) -> Request:
+    """A request whose body arrives in `chunks` (no content-length unless `headers` say one)."""
+    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    return Request({"type": "http", "method": "POST", "headers": headers or []}, receive)
+
+
+async def test_a_body_is_read_under_its_limit_whether_or_not_its_length_is_declared() -> None:
+    assert await read_body(streamed([b"ab", b"cd"]), 4) == b"abcd"
+    with pytest.raises(APIError) as caught:  # undeclared: refused once the count passes the limit
+        await read_body(streamed([b"ab", b"cd", b"e"]), 4)
+    assert (caught.value.status, caught.value.code) == (413, "request_too_large")
+    refusal = APIError(413, "The file is too big.", code="file_too_large", param="file")
+    with pytest.raises(APIError) as declared:  # declared: refused before a byte is read
+        await read_body(streamed([b"ab"], [(b"content-length", b"99")]), 4, refusal)
+    assert declared.value is refusal
