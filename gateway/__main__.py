@@ -11,8 +11,8 @@ from types import FrameType
 EXTRA = frozenset({"starlette", "uvicorn", "pydantic_settings", "structlog", "prometheus_client"})
 MISSING = "llmq-gateway: the gateway needs the 'gateway' extra: pip install 'llmq-redis[gateway]'"
 ABOUT = (
-    "Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models) in front of the "
-    "workers' Redis queues."
+    "Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /v1/files, "
+    "/v1/batches) in front of the workers' Redis queues."
 )
 EXITS = (
     "Exit status: 0 after a clean stop (SIGTERM, Ctrl-C) or for --help and --version; 1 when --queues names no "
