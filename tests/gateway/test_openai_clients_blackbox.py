@@ -585,6 +585,24 @@ def test_a_streamed_schema_answer_is_valid_utf8_and_the_same_as_whole(fleet: Fle
         assert Person.model_validate_json("".join(parts)) == whole.choices[0].message.parsed
 
 
+def test_a_streamed_plain_answer_is_the_whole_answer_split(fleet: Fleet, url: str) -> None:
+    """Without a response format a partial character is held back, never replaced: the deltas join to the text."""
+    llm = sdk(url)
+    for seed in range(4):
+        options: dict[str, Any] = {
+            "model": fleet.model_id,
+            "messages": ask(f"p{seed}"),
+            "max_tokens": 60,
+            "temperature": 1,
+            "seed": seed,
+        }
+        whole = llm.chat.completions.create(**options).choices[0].message.content
+        parts = [
+            c.choices[0].delta.content or "" for c in llm.chat.completions.create(**options, stream=True) if c.choices
+        ]
+        assert "".join(parts) == whole
+
+
 # --------------------------------------------------------------------------- item 6: the Batch API over HTTP
 
 
@@ -890,3 +908,64 @@ async def test_prompt_logprobs_stream_first_and_leave_the_generation_unchanged(f
     assert [t for d in deltas for t in d.token_ids] == plain.token_ids == result.token_ids
     assert result.prompt_logprobs == deltas[0].prompt_logprobs
     assert plain.prompt_logprobs is None
+
+
+# ------------------------------------------------------- item 5 over HTTP: echo with logprobs on /v1/completions
+
+SCORED = "The capital of France is Paris"
+
+
+def test_echo_scores_the_prompt_as_the_clients_prompt_logprobs_do(fleet: Fleet, url: str) -> None:
+    answer = sdk(url).completions.create(model=fleet.model_id, prompt=SCORED, echo=True, logprobs=2, max_tokens=0)
+    choice = answer.choices[0]
+    assert choice.text == SCORED and choice.finish_reason == "length"
+    assert answer.usage is not None and answer.usage.completion_tokens == 0
+    scores = choice.logprobs
+    assert scores is not None and scores.tokens and scores.token_logprobs and scores.top_logprobs
+    assert "".join(scores.tokens) == SCORED
+    assert scores.token_logprobs[0] is None and scores.top_logprobs[0] is None
+    assert all(len(top) == 2 for top in scores.top_logprobs[1:])
+    assert scores.text_offset == [len("".join(scores.tokens[:i])) for i in range(len(scores.tokens))]
+    with Client(fleet.redis_url) as llmq:
+        direct = llmq.submit(prompt=SCORED, max_new_tokens=0, prompt_logprobs=2).result(timeout=60)
+    assert direct.prompt_tokens == scores.tokens and direct.prompt_logprobs is not None
+    expected = [s and s.logprob for s in direct.prompt_logprobs]
+    assert scores.token_logprobs == pytest.approx(expected, abs=1e-4)
+
+
+async def test_echo_with_generated_tokens_streamed_and_whole(fleet: Fleet, url: str) -> None:
+    options: dict[str, Any] = {"model": fleet.model_id, "prompt": SCORED, "max_tokens": 5, "temperature": 0}
+    async with async_sdk(url) as llm:
+        plain = await llm.completions.create(**options)
+        echoed = await llm.completions.create(**options, echo=True, logprobs=1)
+        chunks = [chunk async for chunk in await llm.completions.create(**options, echo=True, stream=True)]
+    assert echoed.choices[0].text == SCORED + plain.choices[0].text
+    texts = [chunk.choices[0].text for chunk in chunks if chunk.choices]
+    assert texts[0] == SCORED and "".join(texts) == echoed.choices[0].text
+    scores = echoed.choices[0].logprobs
+    assert scores is not None and scores.tokens is not None and scores.token_logprobs is not None
+    assert "".join(scores.tokens) == echoed.choices[0].text
+    assert scores.token_logprobs[0] is None and None not in scores.token_logprobs[1:]
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        (CHAT, {"messages": ask("x"), "echo": True, "max_tokens": 2}, "echo"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": [5, 6, 7], "echo": True, "stream": True, "max_tokens": 2}, "echo"),
+    ],
+    ids=["echo-on-chat", "zero-tokens-without-echo", "streamed-echo-of-token-ids"],
+)
+def test_echo_where_it_cannot_apply_is_refused_by_name(
+    fleet: Fleet, url: str, route: str, body: dict[str, Any], param: str
+) -> None:
+    answer = httpx.post(
+        f"{url}{route}",
+        json={"model": fleet.model_id, **body},
+        headers={"Authorization": f"Bearer {ALICE}"},
+        timeout=60,
+    )
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param, answer.text
+    assert answer.headers.get("x-should-retry") == "false"
