@@ -567,16 +567,15 @@ async def test_parse_with_one_character_strings_validates_30_of_30(fleet: Fleet,
     assert not [p for p in parsed if p is not None and "\ufffd" in p.initial + "".join(p.tags)], parsed
 
 
+def sampled(fleet: Fleet, content: str, max_tokens: int, seed: int) -> dict[str, Any]:
+    """A chat request sampled at temperature 1 under `seed`: the same tokens however it is asked for."""
+    return {"model": fleet.model_id, "messages": ask(content), "max_tokens": max_tokens, "temperature": 1, "seed": seed}
+
+
 def test_a_streamed_schema_answer_is_valid_utf8_and_the_same_as_whole(fleet: Fleet, url: str) -> None:
     llm = sdk(url)
     for seed in range(5):
-        options: dict[str, Any] = {
-            "model": fleet.model_id,
-            "messages": ask(f"s{seed}"),
-            "max_tokens": 200,
-            "temperature": 1,
-            "seed": seed,
-        }
+        options = sampled(fleet, f"s{seed}", 200, seed)
         with llm.chat.completions.stream(**options, response_format=Person) as stream:
             parts = [e.delta for e in stream if e.type == "content.delta"]
             final = stream.get_final_completion()
@@ -589,13 +588,7 @@ def test_a_streamed_plain_answer_is_the_whole_answer_split(fleet: Fleet, url: st
     """Without a response format a partial character is held back, never replaced: the deltas join to the text."""
     llm = sdk(url)
     for seed in range(4):
-        options: dict[str, Any] = {
-            "model": fleet.model_id,
-            "messages": ask(f"p{seed}"),
-            "max_tokens": 60,
-            "temperature": 1,
-            "seed": seed,
-        }
+        options = sampled(fleet, f"p{seed}", 60, seed)
         whole = llm.chat.completions.create(**options).choices[0].message.content
         parts = [
             c.choices[0].delta.content or "" for c in llm.chat.completions.create(**options, stream=True) if c.choices
