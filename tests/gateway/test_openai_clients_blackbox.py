@@ -213,6 +213,32 @@ def test_a_tiny_request_timeout_is_one_attempt_answered_408_expired(fleet: Fleet
     assert settled(fleet, generations) == generations  # expired before any worker started it
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_running_request_past_its_timeout_is_one_408_and_one_cancelled_generation(
+    fleet: Fleet, url: str, stream: bool
+) -> None:
+    """Issue 30's case: `X-Request-Timeout: 1` under default retries made 3 attempts and 3 generations."""
+    generations, tries = fleet.generations(), attempts(url)
+    cancelled = metric_sum(fleet.metrics_url, "llmq:request_success_total", finished_reason="cancelled")
+    with pytest.raises(openai.APIError) as caught:
+        answer = sdk(url).chat.completions.create(
+            model=fleet.model_id,
+            messages=ask(LONG_PROMPT),
+            max_tokens=1500,
+            temperature=0,
+            stream=stream,
+            extra_headers={"X-Request-Timeout": "1"},
+        )
+        if stream:
+            list(answer)
+    if not stream:  # a stream's headers went with its first token: its timeout is an error event
+        assert isinstance(caught.value, openai.APIStatusError)
+        assert_not_retryable(caught.value, 408, "timeout")
+    assert settled(fleet, generations + 1) == generations + 1
+    assert metric_sum(fleet.metrics_url, "llmq:request_success_total", finished_reason="cancelled") == cancelled + 1
+    assert settled_attempts(url, tries + 1) == tries + 1
+
+
 async def test_one_idempotency_key_sent_concurrently_is_one_generation(fleet: Fleet, url: str) -> None:
     generations = fleet.generations()
     key = {"Idempotency-Key": f"bb-{uuid.uuid4()}"}
