@@ -817,6 +817,19 @@ def test_another_api_key_gets_404_for_someones_batch_and_files(fleet: Fleet, url
     assert alice.batches.retrieve(batch.id).status == "completed"
 
 
+def test_a_gateway_without_api_keys_sees_none_of_a_keyed_callers_batches(fleet: Fleet, url: str) -> None:
+    """Same deployment, no keys on one gateway: its callers are the anonymous owner, not whoever made a batch."""
+    alice, anonymous = sdk(url), sdk(fleet.gateway("tight").url)
+    upload = alice.files.create(file=("k.jsonl", jsonl(chat_lines(fleet.model_id, 1))), purpose="batch")
+    batch = alice.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
+    with pytest.raises(openai.NotFoundError):
+        anonymous.batches.retrieve(batch.id)
+    with pytest.raises(openai.NotFoundError):
+        anonymous.files.content(upload.id)
+    assert batch.id not in [b.id for b in anonymous.batches.list()]
+    assert until_ended(lambda: alice.batches.retrieve(batch.id)).status == "completed"
+
+
 def test_a_batch_cancelled_mid_run_stops_and_keeps_what_finished(fleet: Fleet, url: str) -> None:
     llm = sdk(url)
     lines = chat_lines(fleet.model_id, 48, max_tokens=1000, prefix="long")
