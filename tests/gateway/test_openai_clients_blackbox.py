@@ -254,7 +254,7 @@ async def test_one_idempotency_key_sent_concurrently_is_one_generation(fleet: Fl
         return parts[0][0], "".join(text for _, text in parts)
 
     async with async_sdk(url) as alice, async_sdk(url, BOB) as bob:
-        answers = await asyncio.gather(*[whole(alice) for _ in range(4)], *[streamed(alice) for _ in range(2)])
+        answers = await asyncio.gather(*[whole(alice) for _ in range(8)], *[streamed(alice) for _ in range(4)])
         assert len(set(answers)) == 1, answers  # one id, one text, whole or streamed
         assert await asyncio.to_thread(settled, fleet, generations + 1) == generations + 1
         assert await whole(alice) == answers[0]  # the same call again, after the end: still that generation
@@ -978,6 +978,29 @@ async def test_echo_with_generated_tokens_streamed_and_whole(fleet: Fleet, url: 
     assert scores is not None and scores.tokens is not None and scores.token_logprobs is not None
     assert "".join(scores.tokens) == echoed.choices[0].text
     assert scores.token_logprobs[0] is None and None not in scores.token_logprobs[1:]
+
+
+def test_echo_of_a_multibyte_prompt_returns_it_exactly_with_offsets_inside_it(fleet: Fleet, url: str) -> None:
+    prompt = "emoji 😀🚀🎉 日本語の文章 ok"
+    options: dict[str, Any] = {
+        "model": fleet.model_id,
+        "prompt": prompt,
+        "echo": True,
+        "logprobs": 1,
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    llm = sdk(url)
+    answer = llm.completions.create(**options)
+    text, scores = answer.choices[0].text, answer.choices[0].logprobs
+    assert text.startswith(prompt)
+    assert scores is not None and scores.tokens and scores.text_offset and scores.token_logprobs
+    assert answer.usage is not None
+    assert len(scores.tokens) == len(scores.token_logprobs) == len(scores.text_offset) == answer.usage.total_tokens
+    assert scores.text_offset == sorted(scores.text_offset) and scores.text_offset[0] == 0
+    assert scores.text_offset[-1] <= len(text)
+    chunks = list(llm.completions.create(**options, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
 
 
 @pytest.mark.parametrize(
