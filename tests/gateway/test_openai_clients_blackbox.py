@@ -838,6 +838,7 @@ def test_a_batch_cancelled_mid_run_stops_and_keeps_what_finished(fleet: Fleet, u
     batch = llm.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
     poll(lambda: llm.batches.retrieve(batch.id).status == "in_progress", 60, 0.1, "in_progress")
     poll(lambda: metric_sum(fleet.metrics_url, "llmq:num_requests_running") > 0, 60, 0.05, "lines running")
+    stopped = metric_sum(fleet.metrics_url, "llmq:request_success_total", finished_reason="cancelled")
     cancelling = llm.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
     done = until_ended(lambda: llm.batches.retrieve(batch.id))
@@ -850,6 +851,7 @@ def test_a_batch_cancelled_mid_run_stops_and_keeps_what_finished(fleet: Fleet, u
     ids = [line["custom_id"] for line in output + errors]
     assert len(ids) == len(set(ids)) and set(ids) <= {f"long{i}" for i in range(48)}
     settled(fleet, 0)  # nothing of it is left running on the worker
+    assert metric_sum(fleet.metrics_url, "llmq:request_success_total", finished_reason="cancelled") > stopped
     small_file = llm.files.create(file=("s.jsonl", jsonl(chat_lines(fleet.model_id, 1))), purpose="batch")
     small = llm.batches.create(input_file_id=small_file.id, endpoint=CHAT, completion_window="24h")
     assert until_ended(lambda: llm.batches.retrieve(small.id)).status == "completed"
