@@ -1,7 +1,9 @@
 """Result streams: every event a request produces, written in order, batched into one pipeline per flush.
 
-Events are queued without blocking; one flusher task sends everything queued so far in one script call,
-so all requests that advanced in an engine step share one round trip. For each event the script is:
+Events are queued without blocking; the flusher sends everything queued so far for a partition in one script
+call, so all requests that advanced in an engine step share one round trip per partition. The partitions' calls
+run side by side and independently: a partition whose shard is down holds back its own events only. For each
+event the script is:
 
 - **fenced**: written only while the request's attempt number is ours. A worker that was paused past its
   lease and woke up after another claimed the request writes nothing (and is told, through `on_fenced`);
@@ -12,8 +14,8 @@ so all requests that advanced in an engine step share one round trip. For each e
 - **isolated**: an event whose keys Redis refuses fails alone; the request's other queued events are dropped
   and the worker is told (`on_failed`), while every other request's events are written.
 
-When Redis is unreachable the batch stays queued, in order, and is retried with backoff; the worker reads
-no new requests while `backlog` is over its bound.
+When Redis (or a partition's shard) is unreachable its events stay queued, in order, and are retried with
+backoff; the worker reads no new requests while `backlog` is over its bound.
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ class Publisher:
         self._on_behind = on_behind
         self._backoff: dict[int, Backoff] = {}  # partition -> its retries' delays, while its calls fail
         self._retry_at: dict[int, float] = {}  # partition -> loop time before which its events wait
+        self._flights: dict[int, asyncio.Task[None]] = {}  # partition -> its script call in flight
+        self._crashed: Exception | None = None  # a flight's failure that is not Redis's: `run` raises it
         self.stats = PublisherStats()
 
     @property
@@ -146,7 +150,7 @@ class Publisher:
         self._wakeup.set()
 
     def stop(self) -> None:
-        """Ends `run` after the batch in flight (the worker has already waited for what it could write)."""
+        """Ends `run` once the calls in flight finish (the worker has already waited for what it could write)."""
         self._stopping = True
         self._wakeup.set()
 
@@ -155,65 +159,65 @@ class Publisher:
         await self._idle.wait()
 
     async def run(self) -> None:
-        """The flusher: one script call per partition a batch of queued events touches, in order, until `stop`. A
-        partition whose call failed is retried with its own backoff; the others' events go on meanwhile."""
+        """The flusher, until `stop`: per partition, one script call at a time carrying that partition's queued
+        events in order. Calls of different partitions do not wait for each other: a partition whose call hangs
+        (its shard down, the connect timing out) or fails (retried with its own backoff) holds back its own
+        events only, while the others' are written as they come. After `stop`, the calls in flight finish."""
         loop = asyncio.get_running_loop()
-        while not self._stopping:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            if self._stopping:
-                return
-            await asyncio.sleep(0)  # let the rest of this engine step's deltas land in the batch
-            now = loop.time()
-            # events queued while this batch is in flight go in the next one; a partition in its backoff waits
-            batch = [item for item in self._queue if self._retry_at.get(item.target.partition, 0.0) <= now]
-            if not batch:
-                if not self._queue:
+        try:
+            while not self._stopping:
+                await self._wakeup.wait()
+                self._wakeup.clear()
+                if self._crashed is not None:
+                    raise self._crashed
+                if self._stopping:
+                    break
+                await asyncio.sleep(0)  # let the rest of this engine step's deltas land in the batch
+                for partition, batch in self._batches(loop.time()).items():
+                    self._flights[partition] = asyncio.create_task(self._flush(partition, batch))
+                if not self._queue and not self._flights:
                     self._idle.set()
-                continue
-            written, failed = await self._send(batch)
-            if written:  # the partitions that answered: their events leave the queue, whatever the others do
-                sent = [batch[index] for index in written]
-                gone = {id(item) for item in sent}
-                self._queue = [item for item in self._queue if id(item) not in gone]
-                for partition in {item.target.partition for item in sent}:
-                    self._backoff.pop(partition, None)
-                    self._retry_at.pop(partition, None)
-                self._report(sent, list(written.values()))
-            for partition, error in failed.items():
-                self.stats.failures += 1
-                if self._on_error is not None:
-                    self._on_error(error)
-                backoff = self._backoff.setdefault(partition, Backoff(*_BACKOFF_S))
-                delay = backoff.next()
-                self._retry_at[partition] = loop.time() + delay
-                loop.call_later(delay, self._wakeup.set)  # its events are still queued, in order: retried then
-            if self._queue:
-                self._wakeup.set()
-            else:
-                self._idle.set()
+        except BaseException:
+            for flight in self._flights.values():
+                flight.cancel()
+            raise
+        if self._flights:
+            await asyncio.wait(list(self._flights.values()))
 
-    async def _send(self, batch: list[_Pending]) -> tuple[dict[int, PublishOutcome | str], dict[int, Exception]]:
-        """One script call per partition the batch touches (a script's keys must share a slot), side by side.
-        Returns the answers of the partitions that answered, by index in the batch and in its order, and the
-        failure of each that did not: one shard's outage holds back its own partition's events only."""
-        groups: dict[Keys, list[int]] = {}
-        for index, item in enumerate(batch):
-            groups.setdefault(self._partitions[item.target.partition], []).append(index)
-        answers = await asyncio.gather(
-            *(self._send_to(where, [batch[i] for i in indexes]) for where, indexes in groups.items()),
-            return_exceptions=True,
-        )
-        written: dict[int, PublishOutcome | str] = {}
-        failed: dict[int, Exception] = {}
-        for (where, indexes), answer in zip(groups.items(), answers, strict=True):
-            if isinstance(answer, REDIS_FAILURES):
-                failed[where.partition] = answer
-            elif isinstance(answer, BaseException):
-                raise answer
-            else:
-                written.update(zip(indexes, answer, strict=True))
-        return dict(sorted(written.items())), failed
+    def _batches(self, now: float) -> dict[int, list[_Pending]]:
+        """The queued events, in order, of each partition with no call in flight and no retry pending (events
+        queued while a partition's call is in flight go in its next one)."""
+        batches: dict[int, list[_Pending]] = {}
+        for item in self._queue:
+            partition = item.target.partition
+            if partition not in self._flights and self._retry_at.get(partition, 0.0) <= now:
+                batches.setdefault(partition, []).append(item)
+        return batches
+
+    async def _flush(self, partition: int, batch: list[_Pending]) -> None:
+        """One partition's call: its events leave the queue once written; on a Redis failure they stay, and the
+        partition waits out its backoff."""
+        loop = asyncio.get_running_loop()
+        try:
+            written = await self._send_to(self._partitions[partition], batch)
+        except REDIS_FAILURES as error:
+            self.stats.failures += 1
+            if self._on_error is not None:
+                self._on_error(error)
+            delay = self._backoff.setdefault(partition, Backoff(*_BACKOFF_S)).next()
+            self._retry_at[partition] = loop.time() + delay
+            loop.call_later(delay, self._wakeup.set)  # its events are still queued, in order: retried then
+        except Exception as error:  # not Redis's answer: a bug, which `run` raises
+            self._crashed = error
+        else:
+            gone = {id(item) for item in batch}
+            self._queue = [item for item in self._queue if id(item) not in gone]
+            self._backoff.pop(partition, None)
+            self._retry_at.pop(partition, None)
+            self._report(batch, written)
+        finally:
+            del self._flights[partition]
+            self._wakeup.set()
 
     async def _send_to(self, where: Keys, batch: list[_Pending]) -> list[PublishOutcome | str]:
         items = [_item(pending) for pending in batch]

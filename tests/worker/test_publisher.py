@@ -152,3 +152,44 @@ async def test_an_event_past_what_the_stream_holds_is_not_written_and_reported_b
     assert [e.type for e in [decode_event(f[b"m"]) for _, f in await redis.xrange(KEYS.result("r"))]] == ["tokens"]
     assert (await redis.xpending(KEYS.requests, CONSUMER_GROUP))["pending"] == 1  # not acknowledged
     flusher.cancel()
+
+
+class OneShardHangs(fakeredis.FakeAsyncRedis):
+    """Script calls on the keys that contain `hung` get no answer until `back` is set (their shard's master
+    killed, the connect timing out); every other call is answered at once."""
+
+    hung = "{llmq:default#1}"
+    back: asyncio.Event
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        script = bool(args) and str(args[0]).upper() in ("EVALSHA", "EVAL")
+        if script and any(isinstance(arg, str) and self.hung in arg for arg in args):
+            await self.back.wait()
+        return await super().execute_command(*args, **kwargs)
+
+
+async def test_a_partition_whose_shard_hangs_holds_back_its_own_events_only() -> None:
+    redis = OneShardHangs()
+    redis.back = asyncio.Event()
+    publisher = Publisher(redis, KEYS, partitions=2)
+    flusher = asyncio.create_task(publisher.run())
+    healthy, hurt = Target("healthy", 60, partition=0), Target("hurt", 60, partition=1)
+    publisher.tokens(hurt, TokensEvent(seq=0, ids=[7], text="h"))
+    for seq in range(5):  # five engine steps while the other shard hangs: each is written as it comes
+        publisher.tokens(healthy, TokensEvent(seq=seq, ids=[seq], text="x"))
+        await wait_until_written(redis, KEYS.result("healthy"), seq + 1)
+    assert await redis.xlen(KEYS.partitioned(2)[1].result("hurt")) == 0  # still waiting on its shard
+    redis.back.set()
+    publisher.tokens(hurt, TokensEvent(seq=1, ids=[8], text="i"))
+    await publisher.wait_idle()
+    hurt_events = [decode_event(f[b"m"]) for _, f in await redis.xrange(KEYS.partitioned(2)[1].result("hurt"))]
+    assert [event.ids for event in hurt_events if isinstance(event, TokensEvent)] == [[7], [8]]  # in order, once
+    publisher.stop()
+    await flusher
+    await redis.aclose()
+
+
+async def wait_until_written(redis: Any, stream: str, count: int) -> None:
+    async with asyncio.timeout(10):
+        while await redis.xlen(stream) < count:
+            await asyncio.sleep(0.01)
