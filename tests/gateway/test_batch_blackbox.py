@@ -249,7 +249,13 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, Any]] = [
     ("completions-messages", COMPLETIONS, {"model": "default", "messages": MSG}, 400, "messages"),
     ("completions-logprobs-true", COMPLETIONS, {"model": "default", "prompt": "x", "logprobs": True}, 400, "logprobs"),
     ("completions-suffix", COMPLETIONS, {"model": "default", "prompt": "x", "suffix": "y"}, 400, "suffix"),
-    ("completions-echo", COMPLETIONS, {"model": "default", "prompt": "x", "echo": True}, 400, "echo"),
+    (
+        "completions-echo-streamed-ids",  # echo is served, but not streamed for a token-id prompt (docs/gateway.md)
+        COMPLETIONS,
+        {"model": "default", "prompt": [1, 2], "echo": True, "stream": True},
+        400,
+        "echo",
+    ),
 ]
 
 

@@ -54,14 +54,14 @@ async def test_json_object_output_is_a_json_object(gateway: Any, start_worker: A
     assert isinstance(parsed, dict), f"json_object gave {shaped.choices[0].message.content!r}"  # OpenAI: an object
 
 
-@pytest.mark.parametrize(("field", "value"), [("n", 2), ("logit_bias", {"5": 1}), ("echo", True)])
+@pytest.mark.parametrize(("field", "value"), [("n", 2), ("logit_bias", {"5": 1}), ("best_of", 2)])
 async def test_non_noop_openai_fields_are_400_naming_the_field(gateway: Any, start_worker: Any, field: str,
                                                                value: Any) -> None:
     await start_worker()
     served = await gateway()
     model = await served.model()
-    create = served.sdk().completions.create if field == "echo" else served.sdk().chat.completions.create
-    inputs = {"prompt": "Hi"} if field == "echo" else {"messages": QUESTION}
+    create = served.sdk().completions.create if field == "best_of" else served.sdk().chat.completions.create
+    inputs = {"prompt": "Hi"} if field == "best_of" else {"messages": QUESTION}
     with pytest.raises(openai.BadRequestError) as caught:
         await create(model=model, max_tokens=4, **inputs, **{field: value})
     assert caught.value.status_code == 400 and caught.value.param == field
