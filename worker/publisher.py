@@ -199,22 +199,23 @@ class Publisher:
         partition waits out its backoff."""
         loop = asyncio.get_running_loop()
         try:
-            written = await self._send_to(self._partitions[partition], batch)
-        except REDIS_FAILURES as error:
-            self.stats.failures += 1
-            if self._on_error is not None:
-                self._on_error(error)
-            delay = self._backoff.setdefault(partition, Backoff(*_BACKOFF_S)).next()
-            self._retry_at[partition] = loop.time() + delay
-            loop.call_later(delay, self._wakeup.set)  # its events are still queued, in order: retried then
-        except Exception as error:  # not Redis's answer: a bug, which `run` raises
-            self._crashed = error
-        else:
+            try:
+                written = await self._send_to(self._partitions[partition], batch)
+            except REDIS_FAILURES as error:
+                self.stats.failures += 1
+                if self._on_error is not None:
+                    self._on_error(error)
+                delay = self._backoff.setdefault(partition, Backoff(*_BACKOFF_S)).next()
+                self._retry_at[partition] = loop.time() + delay
+                loop.call_later(delay, self._wakeup.set)  # its events are still queued, in order: retried then
+                return
             gone = {id(item) for item in batch}
             self._queue = [item for item in self._queue if id(item) not in gone]
             self._backoff.pop(partition, None)
             self._retry_at.pop(partition, None)
             self._report(batch, written)
+        except Exception as error:  # not Redis's answer (the call, or a callback told of it): a bug `run` raises
+            self._crashed = error
         finally:
             del self._flights[partition]
             self._wakeup.set()

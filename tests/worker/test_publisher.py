@@ -193,3 +193,17 @@ async def wait_until_written(redis: Any, stream: str, count: int) -> None:
     async with asyncio.timeout(10):
         while await redis.xlen(stream) < count:
             await asyncio.sleep(0.01)
+
+
+async def test_a_failing_callback_stops_the_flusher_with_its_error(redis: Any) -> None:
+    """A bug in what hears a flush's answers is not swallowed by the partition's flight: `run` raises it."""
+    publisher = Publisher(redis, KEYS)
+    flusher = asyncio.create_task(publisher.run())
+
+    def broken(outcome: Any) -> None:
+        raise RuntimeError("a bug in on_written")
+
+    publisher.finish(Target("r", 60), done(0), on_written=broken)
+    with pytest.raises(RuntimeError, match="a bug in on_written"):
+        async with asyncio.timeout(10):
+            await flusher
