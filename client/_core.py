@@ -120,13 +120,16 @@ class TokenLogprob:
 @dataclass(frozen=True)
 class Delta:
     """New output: `seq` is the index of its first token in the whole output; `logprobs` (one per token) when
-    the request asked for them. A request with `prompt_logprobs` first gets one delta without tokens whose
-    `prompt_logprobs` score its prompt (as `Result.prompt_logprobs`)."""
+    the request asked for them. A request with `prompt_logprobs` first gets one delta without tokens that
+    carries its prompt's ids, texts and scores (as `Result.prompt_token_ids`, `prompt_tokens` and
+    `prompt_logprobs`)."""
 
     text: str
     token_ids: list[int]
     seq: int
     logprobs: list[TokenLogprob] | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_tokens: list[str] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
@@ -222,7 +225,7 @@ class ResultBuilder:
             if self.prompt is not None:  # written again by an attempt restarted before its first token
                 return None
             self.prompt = event
-            return Delta(text="", token_ids=[], seq=len(self.token_ids), prompt_logprobs=_prompt_logprobs(event))
+            return Delta(text="", token_ids=[], seq=len(self.token_ids), **self._prompt_fields())
         if isinstance(event, DoneEvent):
             self.done = event
         else:

@@ -60,6 +60,7 @@ def test_the_result_carries_the_scored_prompt_once() -> None:
         TokenLogprob(6, -0.25, "c", [(6, -0.25, "c"), (4, -3.0, "a")]),
     ]
     assert first.prompt_logprobs == expected
+    assert (first.prompt_token_ids, first.prompt_tokens) == ([4, 5, 6], ["a", "b", "c"])  # a stream's echo needs them
     assert builder.feed(TokensEvent(seq=0, ids=[7], text="x")) is not None
     assert builder.feed(PROMPT) is None  # written again (a retried write, a restarted attempt): already seen
     builder.feed(TokensEvent(seq=1, ids=[8], text="y"))
