@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from client import AsyncClient, AsyncJob
-from client.protocol import ENTRY_FIELD, ErrorEvent, decode_request, ms_now
+from client.protocol import ENTRY_FIELD, decode_request, ms_now
 from client.store import Keys
 from gateway.auth import APIKeyMiddleware
 from gateway.request_ids import RequestIdMiddleware
@@ -229,7 +229,6 @@ async def test_every_answer_carries_a_request_id(gateway: Any, start_worker: Any
     assert ok.status_code == 200 and ok.headers.get_list("x-request-id") == [ok.json()["id"]]
 
 
-@pytest.mark.skipif("param" not in ErrorEvent.model_fields, reason="workers name no param before ErrorEvent.param")
 async def test_a_refusal_by_the_worker_names_the_openai_param(gateway: Any, start_worker: Any, sdk: Any) -> None:
     await start_worker(max_new_tokens=50)  # a lower limit than the gateway's: only the worker refuses
     served = await gateway()
