@@ -114,7 +114,7 @@ class BatchDriver:
             if record is None:
                 return None
             if run.running and (record["status"] == "cancelling" or time.time() >= record["expires_at"]):
-                await run.stop_lines(cancel=record["status"] == "cancelling")
+                await run.stop_lines(cancel=True)  # past the window too: lines in flight would only be answered late
 
 
 class BatchRun:
@@ -136,6 +136,11 @@ class BatchRun:
         if record is None or record["status"] in ENDED:
             await self.store.finished(self.batch_id)
             return
+        if record["status"] == "validating" and time.time() >= record["expires_at"]:
+            await self._end(record, "expired")  # never validated: no line ran, no answer to write
+            return
+        if record["status"] == "validating" and not await self.driver.models.served():
+            return  # no worker alive (yet): validated in a later round, without reading the file now
         data = await self.store.file_data(record["input_file_id"])
         if data is None:
             await self._fail(record, "input_file_missing", "The input file no longer exists.")
@@ -150,7 +155,10 @@ class BatchRun:
             try:
                 await asyncio.wait({self.lines})  # it ends by itself, or is stopped (`stop_lines`)
             finally:
-                self.lines.cancel()  # this run is stopped (lease lost, gateway stopping): its lines stop with it
+                if not self.lines.done():  # this run is stopped (lease lost, gateway stopping): its lines stop with it
+                    self.lines.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await self.lines
             if not self.lines.cancelled():
                 self.lines.result()  # raises what failed it: the batch is retried later
         await self._finish(data)
@@ -163,7 +171,7 @@ class BatchRun:
             return None
         if checked.model is not None and await self._queue_of(checked.model) is None:
             served = sorted(await self.driver.models.served())
-            if not served:  # no worker alive (yet): validated again next round
+            if not served:  # the workers left while the file was read: validated again in a later round
                 return None
             message = f"The model {checked.model!r} does not exist. Served: {', '.join(served)}."
             await self._fail(record, "model_not_found", message)
@@ -220,17 +228,23 @@ class BatchRun:
         completed, failed = await self.store.counts(self.batch_id)
         if record["status"] == "cancelling":
             final = "cancelled"
-        elif completed + failed >= record["request_counts"]["total"]:
-            final = "completed"
-            await self.store.update(self.batch_id, _finalizing)
-        elif time.time() >= record["expires_at"]:
+        elif record["status"] != "finalizing" and time.time() >= record["expires_at"]:
+            # before the count: lines the workers answered `expired` fill it too, and the batch did not complete
             final = "expired"
             answered = await self.store.answered(self.batch_id)
             late = await asyncio.to_thread(expired, data, self.identity, record["model"] or "", answered)
             for start in range(0, len(late), 500):
                 await self.store.answer(self.batch_id, late[start : start + 500])
+        elif completed + failed >= record["request_counts"]["total"]:
+            final = "completed"
+            await self.store.update(self.batch_id, _finalizing)
         else:
             return  # stopped early (the gateway is stopping): the next driver goes on
+        await self._end(record, final)
+
+    async def _end(self, record: dict[str, Any], final: str) -> None:
+        """Writes the output and error files (what was answered) and ends the batch `final` (`cancelled` if a
+        cancel came first)."""
         files: dict[str, str] = {}
         for succeeded, name in ((True, "output"), (False, "error")):
             content = await self.store.answers(self.batch_id, succeeded)
@@ -247,7 +261,7 @@ class BatchRun:
 
         await self.store.update(self.batch_id, ended)
         await self.store.finished(self.batch_id)
-        self.driver.log.info("batch_ended", batch_id=self.batch_id, completed=completed, failed=failed)
+        self.driver.log.info("batch_ended", batch_id=self.batch_id, status=final)
 
     async def _fail(
         self, record: dict[str, Any], code: str | None, message: str | None, errors: list[dict[str, Any]] | None = None

@@ -188,6 +188,17 @@ async def test_a_batch_past_its_window_expires_with_its_unfinished_lines_in_the_
     assert any(row["error"]["code"] == "batch_expired" for row in errors)
 
 
+async def test_a_batch_no_worker_validates_expires_at_the_end_of_its_window(gateway: Any) -> None:
+    served = await gateway(batch_poll_s=0.05)  # no worker: the batch waits in `validating`
+    sdk = served.sdk()
+    batch = await submitted(sdk, jsonl([line("a"), line("b")]))
+    assert (await sdk.batches.retrieve(batch.id)).status == "validating"
+    await served.state.batches.update(batch.id, lambda record: {"expires_at": 0})  # its 24 hours pass
+    batch = await ended(sdk, batch.id, within_s=20)
+    assert batch.status == "expired" and batch.expired_at is not None
+    assert batch.output_file_id is None and batch.error_file_id is None
+
+
 async def test_files_and_batches_belong_to_their_api_key(gateway: Any, start_worker: Any) -> None:
     await start_worker()
     served = await gateway(api_keys="key-one,key-two", batch_file_max_bytes=4096, batch_poll_s=0.05)
