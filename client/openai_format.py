@@ -2,12 +2,12 @@
 shared by `llmq batch` (`client/batch.py`) and the HTTP gateway (`gateway/`).
 
 Pure functions, no I/O. A field we cannot honour is refused by name (`FieldError`), never ignored: knobs the
-engine does not implement (`n > 1`, `logit_bias`, tools, ...) are accepted only at their no-op values, which
-some SDKs send by default; a few hints that change no answer (`prompt_cache_key`, `prompt_cache_options`,
+engine does not implement (`best_of > 1`, `logit_bias`, tools, ...) are accepted only at their no-op values,
+which some SDKs send by default; a few hints that change no answer (`prompt_cache_key`, `prompt_cache_options`,
 `prompt_cache_retention`, `safety_identifier`, `metadata`, a message's `name`) are accepted with any value of their
 type and dropped (docs/gateway.md lists what the popular SDKs send). `seed`, `logprobs`/`top_logprobs`,
 completions' `echo` (with the prompt's logprobs), the penalties and `response_format` (`text`, `json_object`,
-`json_schema`, and llmq's `regex`) are applied per request.
+`json_schema`, and llmq's `regex`) are applied per request; `n` choices are `n` requests (`Translated.choice`).
 """
 
 from __future__ import annotations
@@ -25,18 +25,19 @@ from client.protocol import Lane, SamplingParams, Usage
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 # OpenAI's (and vLLM's) default for /v1/completions; chat has none, so the queue's default applies there.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# The most choices one call may ask for (`n`): each is a request of its own in the queue.
+MAX_N = 16
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
 
 _PASSED = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _SUPPORTED = {"model", "max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs", "response_format"}
-_SUPPORTED |= {"user", "stream", "stream_options", "service_tier", "echo", *_PASSED}
+_SUPPORTED |= {"user", "stream", "stream_options", "service_tier", "echo", "n", *_PASSED}
 # Hints for OpenAI's own cache, abuse detection and stored completions: accepted with any value of their type and
 # dropped, since none changes the answer (llmq stores nothing and caches prefixes by itself).
 _IGNORED: dict[str, type] = {"prompt_cache_key": str, "prompt_cache_retention": str, "prompt_cache_options": dict}
 _IGNORED |= {"safety_identifier": str, "metadata": dict}
 # Fields accepted only at a value that changes nothing (compared with their type: `0` is not `False`).
 _NO_OP: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
     "best_of": (1,),
     "logit_bias": ({},),
     "tools": ([],),
@@ -78,6 +79,14 @@ class Translated:
     lane: Lane = "default"
     max_tokens_field: str = "max_tokens"  # the field that carried the token budget, for errors that name it
     echo: bool = False  # completions' `echo: true`: the answer starts with the prompt (`echo_of`)
+    n: int = 1  # how many choices: one request each (`choice`)
+
+    def choice(self, index: int) -> dict[str, Any]:
+        """`options` for choice `index` of `n`: with a `seed`, its own (`seed + index`), so sampled choices differ
+        yet each is the answer of one call seeded so; unseeded, each request samples on its own."""
+        if "seed" not in self.options:
+            return self.options
+        return self.options | {"seed": self.options["seed"] + index}
 
 
 def lane_for(service_tier: object) -> Lane:
@@ -89,11 +98,12 @@ def lane_for(service_tier: object) -> Lane:
     return TIERS[tier]
 
 
-def translate(body: dict[str, Any], url: str, *, echo_allowed: bool = False) -> Translated:
+def translate(body: dict[str, Any], url: str, *, echo_allowed: bool = False, n_allowed: bool = False) -> Translated:
     """An OpenAI chat (`CHAT`) or completions (`COMPLETIONS`) body as `submit` arguments; raises `FieldError`
     naming the first field it cannot honour. Sampling values are checked against `BOUNDS` here too, so the
     error names the OpenAI field (`max_tokens`, not `params.max_new_tokens`). `echo: true` is refused unless
-    `echo_allowed` (a caller that answers with `echo_of`: the gateway, not yet `llmq batch`)."""
+    `echo_allowed` (a caller that answers with `echo_of`: the gateway, not yet `llmq batch`), `n` above 1 unless
+    `n_allowed` (a caller that submits `n` requests: the gateway)."""
     source = "messages" if url == CHAT else "prompt"
     _refuse_unsupported(body, source)
     if body.get(source) is None:
@@ -120,6 +130,9 @@ def translate(body: dict[str, Any], url: str, *, echo_allowed: bool = False) -> 
     if body.get("max_completion_tokens") is not None:
         out.max_tokens_field = "max_completion_tokens"
     _check_params(params, url, out.max_tokens_field)
+    out.n = _n(body, n_allowed)
+    if out.n > 1 and params.get("seed") is not None:  # the last choice's seed must be one too
+        _check_params(params | {"seed": params["seed"] + out.n - 1}, url, out.max_tokens_field)
     out.options |= params
     return out
 
@@ -136,6 +149,17 @@ def _refuse_unsupported(body: dict[str, Any], source: str) -> None:
             raise FieldError(name, "is not supported by llmq")
         if not any(type(value) is type(v) and value == v for v in _NO_OP[name]):
             raise FieldError(name, f"only {' or '.join(map(repr, _NO_OP[name]))} is supported, not {value!r}")
+
+
+def _n(body: dict[str, Any], allowed: bool) -> int:
+    n = _optional(body, "n", int)
+    if n is None or n == 1:
+        return 1
+    if not allowed:
+        raise FieldError("n", f"only 1 is supported here, not {n!r}")
+    if not 1 <= n <= MAX_N:
+        raise FieldError("n", f"must be 1 to {MAX_N}, not {n!r}")
+    return n
 
 
 def _echo(body: dict[str, Any], url: str, allowed: bool) -> bool:
@@ -262,6 +286,14 @@ def openai_param(wire: str, url: str, max_tokens_field: str = "max_tokens") -> s
     return name
 
 
+def total_usage(usages: Sequence[Usage]) -> Usage:
+    """The usage of a call's `n` choices, as OpenAI counts it: the prompt once (each choice's request read the
+    same one), the completion tokens of all."""
+    return Usage(
+        prompt_tokens=usages[0].prompt_tokens, completion_tokens=sum(usage.completion_tokens for usage in usages)
+    )
+
+
 def usage_body(usage: Usage) -> dict[str, int]:
     return {
         "prompt_tokens": usage.prompt_tokens,
@@ -377,21 +409,40 @@ def completion_body(
     logprobs: list[TokenLogprob] | None = None,
     echo: Echo | None = None,
 ) -> dict[str, Any]:
-    """A whole answer as OpenAI's `chat.completion` or `text_completion` object (a completion's text after
-    `echo`'s, when it asked for one)."""
-    choice: dict[str, Any] = {"index": 0}
+    """A whole answer of one choice as OpenAI's `chat.completion` or `text_completion` object (a completion's
+    text after `echo`'s, when it asked for one)."""
+    choice = choice_body(url, 0, text, finish_reason, logprobs, echo)
+    return choices_body(url, request_id, model, created, [choice], usage)
+
+
+def choice_body(
+    url: str,
+    index: int,
+    text: str,
+    finish_reason: str,
+    logprobs: list[TokenLogprob] | None = None,
+    echo: Echo | None = None,
+) -> dict[str, Any]:
+    """One choice of a whole answer: chat's `message` or a completion's `text` (after `echo`'s)."""
+    choice: dict[str, Any] = {"index": index}
     if url == CHAT:
         choice["message"] = {"role": "assistant", "content": text}
-        kind = "chat.completion"
     else:
-        choice["text"], kind = (echo.text if echo is not None else "") + text, "text_completion"
+        choice["text"] = (echo.text if echo is not None else "") + text
     choice["logprobs"] = logprobs_body(url, logprobs, text, echo=echo)
     choice["finish_reason"] = FINISH_REASONS.get(finish_reason, "stop")
+    return choice
+
+
+def choices_body(
+    url: str, request_id: str, model: str, created: int, choices: list[dict[str, Any]], usage: Usage
+) -> dict[str, Any]:
+    """A whole answer with `choices` (`choice_body`s) and the `usage` of them all (`total_usage`)."""
     return {
         "id": request_id,
-        "object": kind,
+        "object": "chat.completion" if url == CHAT else "text_completion",
         "created": created,
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage_body(usage),
     }

@@ -1,5 +1,5 @@
 """The streamed shapes of OpenAI's answers: `chat.completion.chunk` and streamed `text_completion` objects.
-Whole answers are `client.openai_format.completion_body`, shared with `llmq batch`."""
+Whole answers are `client.openai_format.choices_body`, shared with `llmq batch`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from client.protocol import Usage
 
 @dataclass(frozen=True)
 class ChunkMaker:
-    """Builds the chunks of one streamed answer (all share its id, creation time and model)."""
+    """Builds the chunks of one streamed answer (all share its id, creation time and model); each chunk carries
+    one choice, named by its `index` (0 to `n` - 1), so the chunks of `n` choices can interleave."""
 
     url: str
     request_id: str
@@ -33,7 +34,13 @@ class ChunkMaker:
         return chunk
 
     def text(
-        self, delta: Delta | None, *, first: bool = False, offset: int = 0, echo: Echo | None = None
+        self,
+        delta: Delta | None,
+        *,
+        first: bool = False,
+        offset: int = 0,
+        echo: Echo | None = None,
+        index: int = 0,
     ) -> dict[str, Any]:
         """New text, with its tokens' log-probabilities when asked (completions count `text_offset` from
         `offset`, the text streamed before); a chat stream's first chunk also carries the assistant role, and a
@@ -43,15 +50,16 @@ class ChunkMaker:
         text = (echo.text if echo is not None else "") + text
         if self.url == CHAT:
             content: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-            return self._chunk([{"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": None}])
-        return self._chunk([{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}])
+            return self._chunk([{"index": index, "delta": content, "logprobs": logprobs, "finish_reason": None}])
+        return self._chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}])
 
-    def finish(self, finish_reason: str) -> dict[str, Any]:
+    def finish(self, finish_reason: str, index: int = 0) -> dict[str, Any]:
         reason = FINISH_REASONS.get(finish_reason, "stop")
         if self.url == CHAT:
-            return self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}])
-        return self._chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": reason}])
+            return self._chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}])
+        return self._chunk([{"index": index, "text": "", "logprobs": None, "finish_reason": reason}])
 
     def usage(self, usage: Usage) -> dict[str, Any]:
-        """`stream_options.include_usage`: a last chunk with no choices and the whole request's usage."""
+        """`stream_options.include_usage`: a last chunk with no choices and the whole call's usage (all its
+        choices': `total_usage`)."""
         return self._chunk([], usage)

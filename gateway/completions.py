@@ -1,29 +1,40 @@
-"""`POST /v1/chat/completions` and `POST /v1/completions`: an OpenAI body becomes one queued request
-(`AsyncClient.submit`), whose answer is returned whole or streamed as server-sent events.
+"""`POST /v1/chat/completions` and `POST /v1/completions`: an OpenAI body becomes queued requests
+(`AsyncClient.submit`), one per choice (`n`), whose answer is returned whole or streamed as server-sent events.
 
-A streamed answer's headers wait for its first token (which the client waits for anyway), so every error
-known by then, an expired deadline or a request the worker refused included, still gets its HTTP status; a
-later one arrives as an error event before `data: [DONE]`, which the OpenAI SDKs raise. A client that goes
-away cancels its request (`AsyncJob.cancel`: the worker stops it within one engine step); so does a request
-that outlives its timeout.
+A streamed answer's headers wait for the first token of every choice (which the client waits for anyway), so
+every error known by then, an expired deadline or a request the worker refused included, still gets its HTTP
+status; a later one arrives as an error event before `data: [DONE]`, which the OpenAI SDKs raise. A client that
+goes away cancels its requests (`AsyncJob.cancel`: the worker stops each within one engine step); so does a call
+that outlives its timeout, and an error in one of `n` choices cancels the others.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from client import AsyncJob, Delta, LLMQError, RequestFailed, ResultTimeout
 from client.errors import Cancelled, RedisUnavailable
-from client.openai_format import CHAT, COMPLETIONS, Translated, completion_body, echo_of, translate
+from client.openai_format import (
+    CHAT,
+    COMPLETIONS,
+    Translated,
+    choice_body,
+    choices_body,
+    echo_of,
+    total_usage,
+    translate,
+)
+from client.protocol import Usage
 from gateway.auth import bearer_token
 from gateway.bodies import read_body
 from gateway.chunks import ChunkMaker
@@ -37,6 +48,7 @@ TIMEOUT_HEADER = "X-Request-Timeout"
 # How long past a request's deadline the gateway still waits, so that a worker which reads the request after its
 # deadline has passed answers `expired` (408 `expired`) before the gateway gives up on it (408 `timeout`).
 EXPIRY_GRACE_S = 1.0
+T = TypeVar("T")
 
 
 async def chat_completions(request: Request) -> Response:
@@ -51,13 +63,13 @@ async def completions(request: Request) -> Response:
 class Call:
     """What is known of one HTTP call so far, for the error that may end it: how it named its token budget,
     whether it carried an `Idempotency-Key`, whether its submit began (a generation may exist from then on: see
-    `once_submitted`) and its job once submitted (whose id the error's `X-Request-Id` carries)."""
+    `once_submitted`) and its id once it submits (which the error's `X-Request-Id` carries)."""
 
     url: str
     idempotent: bool = False
     max_tokens_field: str = "max_tokens"
     submitting: bool = False
-    job: AsyncJob | None = None
+    request_id: str | None = None
 
 
 async def _answer(request: Request, url: str) -> Response:
@@ -72,7 +84,7 @@ async def _answer(request: Request, url: str) -> Response:
         )
         if call.submitting:
             answer = once_submitted(answer, idempotent=call.idempotent)
-        request_id = call.job.id if call.job is not None else None
+        request_id = call.request_id
         if answer.code == "internal":
             gateway.log.exception("request_failed", route=url, request_id=request_id)
         else:
@@ -91,7 +103,7 @@ async def _answer(request: Request, url: str) -> Response:
 async def _complete(gateway: Gateway, request: Request, call: Call, started: float) -> Response:
     url = call.url
     body = await read_json(request, gateway.settings.max_body_bytes)
-    asked = translate(body, url, echo_allowed=True)
+    asked = translate(body, url, echo_allowed=True, n_allowed=True)
     call.max_tokens_field = asked.max_tokens_field
     if not asked.model:
         raise APIError(400, "model is required", code="invalid_request", param="model")
@@ -104,9 +116,18 @@ async def _complete(gateway: Gateway, request: Request, call: Call, started: flo
     timeout = request_timeout(request.headers.get(TIMEOUT_HEADER), gateway.settings.request_timeout_s)
     request_id, call.idempotent = request_id_for(request.headers, bearer_token(request.headers.get("authorization")))
     call.submitting = True
-    job = await gateway.client.submit(**asked.options, queue=queue, deadline=timeout, request_id=request_id)
-    call.job = job
-    answer = Answer(gateway, job, url, asked, started, timeout + EXPIRY_GRACE_S, idempotent=call.idempotent)
+    jobs: list[AsyncJob] = []
+    answer = Answer(
+        gateway, request_id, jobs, url, asked, started, timeout + EXPIRY_GRACE_S, idempotent=call.idempotent
+    )
+    try:
+        for index, choice_id in enumerate(choice_ids(request_id, asked.n)):
+            options = asked.choice(index)
+            jobs.append(await gateway.client.submit(**options, queue=queue, deadline=timeout, request_id=choice_id))
+            call.request_id = request_id  # a generation exists: errors from now on name the call
+    except BaseException:  # a full queue, Redis away: a retry with its Idempotency-Key submits the rest
+        await answer.abandon()
+        raise
     try:
         if asked.stream:
             return await answer.stream(request)
@@ -116,13 +137,21 @@ async def _complete(gateway: Gateway, request: Request, call: Call, started: flo
         answer.log_done(CLIENT_CLOSED)
         return Response(status_code=CLIENT_CLOSED)
     except (RequestFailed, Cancelled):
-        raise  # the request has ended: nothing to cancel
+        if len(jobs) > 1:  # one choice has ended: stop the others
+            await answer.cancel()
+        raise
     except RedisUnavailable:
         await answer.abandon()  # a retry with its Idempotency-Key follows the same generation
         raise
     except BaseException:  # a timeout, the server stopping, a bug: leave nothing running
         await answer.cancel()
         raise
+
+
+def choice_ids(request_id: str, n: int) -> list[str]:
+    """The request ids of a call's `n` choices: its own id for one, else `<id>-<index>`, derived, so a retry with
+    the call's `Idempotency-Key` attaches to the same `n` generations."""
+    return [request_id] if n == 1 else [f"{request_id}-{index}" for index in range(n)]
 
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
@@ -153,12 +182,14 @@ def request_timeout(header: str | None, default_s: float) -> float:
 
 
 class Answer:
-    """One submitted request on its way back to the HTTP client."""
+    """One call's submitted requests (one per choice, filled in as they are submitted) on their way back to the
+    HTTP client."""
 
     def __init__(
         self,
         gateway: Gateway,
-        job: AsyncJob,
+        request_id: str,  # the call's: the answer's `id` and `X-Request-Id`
+        jobs: list[AsyncJob],
         url: str,
         asked: Translated,
         started: float,
@@ -166,58 +197,66 @@ class Answer:
         *,
         idempotent: bool = False,
     ) -> None:
-        self.gateway, self.job, self.url, self.asked = gateway, job, url, asked
+        self.gateway, self.request_id, self.jobs, self.url, self.asked = gateway, request_id, jobs, url, asked
         self.started, self.timeout, self.idempotent = started, timeout, idempotent
         self.model = asked.model or ""
         self.created = int(time.time())
         self.usage: tuple[int, int] | None = None
 
     async def whole(self, request: Request) -> Response:
-        result = await unless_disconnected(request.receive, self.job.result(self.timeout))
-        self.usage = (result.usage.prompt_tokens, result.usage.completion_tokens)
+        results = await unless_disconnected(request.receive, _all(job.result(self.timeout) for job in self.jobs))
+        usage = total_usage([result.usage for result in results])
+        self.usage = (usage.prompt_tokens, usage.completion_tokens)
         self.log_done(200)
-        return JSONResponse(
-            completion_body(
+        choices = [
+            choice_body(
                 self.url,
-                self.job.id,
-                self.model,
-                self.created,
+                index,
                 result.text,
                 result.finish_reason,
-                result.usage,
                 result.logprobs,
                 echo_of(self.asked, result.prompt_logprobs, result.prompt_tokens),
-            ),
-            headers={"X-Request-Id": self.job.id},
+            )
+            for index, result in enumerate(results)
+        ]
+        return JSONResponse(
+            choices_body(self.url, self.request_id, self.model, self.created, choices, usage),
+            headers={"X-Request-Id": self.request_id},
         )
 
     async def stream(self, request: Request) -> Response:
-        deltas = self.job.stream(self.timeout)
-        first = await unless_disconnected(request.receive, _next(deltas))
+        streams = [job.stream(self.timeout) for job in self.jobs]
+        firsts = await unless_disconnected(request.receive, _all(_next(deltas) for deltas in streams))
         self.gateway.metrics.ttft.labels(self.url, self.model).observe(time.monotonic() - self.started)
-        return EventStream(self._events(first, deltas), headers={"X-Request-Id": self.job.id})
+        return EventStream(self._events(firsts, streams), headers={"X-Request-Id": self.request_id})
 
-    async def _events(self, first: Delta | None, deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
-        chunks = ChunkMaker(self.url, self.job.id, self.model, self.created)
+    async def _events(self, firsts: list[Delta | None], streams: list[AsyncIterator[Delta]]) -> AsyncIterator[bytes]:
+        chunks = ChunkMaker(self.url, self.request_id, self.model, self.created)
         ended = False
-        # An echo's prompt comes on the first chunk: the first delta, which scores it, has no tokens.
-        echo = echo_of(self.asked, first.prompt_logprobs if first is not None else None)
-        offset = len(echo.text) if echo is not None else 0
+        offsets: list[int] = []  # each choice's text streamed so far (completions count `text_offset` from it)
+        usages: list[Usage] = []
         try:
-            yield event(chunks.text(first, first=True, echo=echo))
-            offset += len(first.text) if first is not None else 0
-            async for delta in deltas:
-                if delta.text or delta.logprobs:
-                    yield event(chunks.text(delta, offset=offset))
-                    offset += len(delta.text)
-            result = await self.job.result()  # at once: its stream has ended
-            self.usage = (result.usage.prompt_tokens, result.usage.completion_tokens)
-            yield event(chunks.finish(result.finish_reason))
+            for index, first in enumerate(firsts):
+                # An echo's prompt comes on the first chunk: the first delta, which scores it, has no tokens.
+                echo = echo_of(self.asked, first.prompt_logprobs if first is not None else None)
+                yield event(chunks.text(first, first=True, echo=echo, index=index))
+                offsets.append((len(echo.text) if echo is not None else 0) + (len(first.text) if first else 0))
+            async with contextlib.aclosing(_merged(streams)) as merged:  # closed here, its waits with it
+                async for index, delta in merged:
+                    if delta is None:  # this choice's stream has ended
+                        result = await self.jobs[index].result()  # at once
+                        usages.append(result.usage)
+                        yield event(chunks.finish(result.finish_reason, index))
+                    elif delta.text or delta.logprobs:
+                        yield event(chunks.text(delta, offset=offsets[index], index=index))
+                        offsets[index] += len(delta.text)
+            usage = total_usage(usages)
+            self.usage = (usage.prompt_tokens, usage.completion_tokens)
             if self.asked.include_usage:
-                yield event(chunks.usage(result.usage))
+                yield event(chunks.usage(usage))
             ended = True
         except LLMQError as error:  # after the 200 was sent: the error is an event, which the SDKs raise
-            if isinstance(error, ResultTimeout):
+            if isinstance(error, ResultTimeout) or len(self.jobs) > 1:  # stop what still runs
                 await self.cancel()
             ended = True
             answer = from_exception(error, retry_after_s=0, url=self.url, max_tokens_field=self.asked.max_tokens_field)
@@ -230,25 +269,26 @@ class Answer:
 
     async def abandon(self) -> None:
         """The caller went away: stop generating, unless it sent an `Idempotency-Key`, whose retry is to follow
-        this same generation (it runs to its end, within its `max_tokens`)."""
+        these same generations (they run to their end, within their `max_tokens`)."""
         if not self.idempotent:
             await self.cancel()
 
     async def cancel(self) -> None:
-        """Ask the workers to stop the request; shielded, so a cancelled handler still sends it."""
+        """Ask the workers to stop the requests; shielded, so a cancelled handler still sends it."""
         try:
-            await asyncio.shield(self.job.cancel())
-        except Exception as error:  # Redis away: the request's deadline still bounds a queued one
-            self.gateway.log.warning("cancel_failed", request_id=self.job.id, error=str(error))
+            await asyncio.shield(asyncio.gather(*(job.cancel() for job in self.jobs)))
+        except Exception as error:  # Redis away: the requests' deadline still bounds a queued one
+            self.gateway.log.warning("cancel_failed", request_id=self.request_id, error=str(error))
 
     def log_done(self, status: int) -> None:
         prompt, completion = self.usage or (None, None)
         self.gateway.log.info(
             "request",
             route=self.url,
-            request_id=self.job.id,
+            request_id=self.request_id,
             model=self.model,
             stream=self.asked.stream,
+            n=self.asked.n,
             status=status,
             prompt_tokens=prompt,
             completion_tokens=completion,
@@ -257,6 +297,36 @@ class Answer:
         )
 
 
-async def _next(deltas: AsyncIterator[Delta]) -> Delta | None:
-    """The first delta, or None when the request finished without output (an error raises here)."""
-    return await anext(deltas, None)
+async def _next(items: AsyncIterator[T]) -> T | None:
+    """The next item (a request's next delta), or None at the end (a request finished without more output; an
+    error raises here)."""
+    return await anext(items, None)
+
+
+async def _all(awaitables: Iterable[Awaitable[T]]) -> list[T]:
+    """Every result, in order; the first error raises at once, and the waits still running are cancelled (the
+    requests behind them are the caller's to cancel)."""
+    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()  # a no-op for those done
+
+
+async def _merged(streams: Sequence[AsyncIterator[T]]) -> AsyncGenerator[tuple[int, T | None], None]:
+    """The items of `streams` as they come, each with its stream's index, and `(index, None)` when that stream
+    ends; an error in any raises here, and the waits on the others are cancelled."""
+    waits = {asyncio.ensure_future(_next(stream)): index for index, stream in enumerate(streams)}
+    try:
+        while waits:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for wait in sorted(done, key=waits.__getitem__):
+                index = waits.pop(wait)
+                item = wait.result()
+                if item is not None:
+                    waits[asyncio.ensure_future(_next(streams[index]))] = index
+                yield index, item
+    finally:
+        for wait in waits:
+            wait.cancel()

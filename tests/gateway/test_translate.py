@@ -24,20 +24,25 @@ from client.errors import (
 from client.openai_format import (
     CHAT,
     COMPLETIONS,
+    MAX_N,
     Echo,
     FieldError,
+    choice_body,
+    choices_body,
     completion_body,
     echo_of,
     lane_for,
     logprobs_body,
     openai_param,
     token_offsets,
+    total_usage,
     translate,
 )
 from client.protocol import Usage, is_valid_name
 from gateway.auth import authorized, bearer_token
 from gateway.bodies import read_body
-from gateway.completions import request_timeout
+from gateway.chunks import ChunkMaker
+from gateway.completions import choice_ids, request_timeout
 from gateway.errors import SHOULD_RETRY, APIError, from_exception, once_submitted
 from gateway.request_ids import idempotent_request_id, request_id_for
 from gateway.sse import event
@@ -174,6 +179,73 @@ def test_what_cannot_be_honoured_is_refused_by_name(body: dict[str, Any], field:
     with pytest.raises(FieldError) as caught:
         translate({"messages": USER, **body}, CHAT)
     assert caught.value.field == field and isinstance(caught.value, InvalidRequest)
+
+
+def test_n_choices_are_n_requests_each_with_its_own_seed() -> None:
+    asked = translate({"messages": USER, "n": 3, "seed": 7}, CHAT, n_allowed=True)
+    assert asked.n == 3
+    assert [asked.choice(i)["seed"] for i in range(3)] == [7, 8, 9]
+    assert asked.options["seed"] == 7  # the call's own options are left as they were
+    unseeded = translate({"prompt": "hi", "n": MAX_N}, COMPLETIONS, n_allowed=True)
+    assert unseeded.n == MAX_N and "seed" not in unseeded.choice(5)  # each samples on its own
+    assert translate({"messages": USER, "n": 1}, CHAT).n == 1  # the no-op value, accepted anywhere
+
+
+@pytest.mark.parametrize(
+    ("body", "allowed"),
+    [
+        ({"n": 2}, False),  # `llmq batch` answers one choice per line
+        ({"n": MAX_N + 1}, True),
+        ({"n": 0}, True),
+        ({"n": True}, True),  # a boolean is not a count
+        ({"n": 2.0}, True),
+        ({"n": 2, "seed": 2**64 - 1}, True),  # the second choice's seed would be out of range
+    ],
+)
+def test_n_is_bounded_and_refused_by_name(body: dict[str, Any], allowed: bool) -> None:
+    with pytest.raises(FieldError) as caught:
+        translate({"messages": USER, **body}, CHAT, n_allowed=allowed)
+    assert caught.value.field == ("seed" if "seed" in body else "n")
+
+
+def test_best_of_stays_refused_with_n() -> None:
+    with pytest.raises(FieldError) as caught:
+        translate({"prompt": "hi", "n": 2, "best_of": 2}, COMPLETIONS, n_allowed=True)
+    assert caught.value.field == "best_of"
+
+
+def test_choice_ids_derive_from_the_call_id() -> None:
+    assert choice_ids("abc", 1) == ["abc"]  # one choice keeps the call's id, as before `n`
+    assert choice_ids("idem-1f", 3) == ["idem-1f-0", "idem-1f-1", "idem-1f-2"]
+    assert all(is_valid_name(request_id) for request_id in choice_ids("idem-" + "f" * 32, MAX_N))
+
+
+def test_n_choices_answer_with_their_indexes_and_the_prompt_counted_once() -> None:
+    usage = total_usage([Usage(prompt_tokens=5, completion_tokens=3), Usage(prompt_tokens=5, completion_tokens=4)])
+    assert (usage.prompt_tokens, usage.completion_tokens) == (5, 7)
+    choices = [choice_body(CHAT, i, text, "eos") for i, text in enumerate(["a", "b"])]
+    body = choices_body(CHAT, "id", "m", 1, choices, usage)
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "a", "stop"),
+        (1, "b", "stop"),
+    ]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+    one = completion_body(COMPLETIONS, "id", "m", 1, "x", "length", Usage(prompt_tokens=1, completion_tokens=1))
+    assert one["choices"] == [choice_body(COMPLETIONS, 0, "x", "length")]
+    assert one["object"] == "text_completion"
+
+
+def test_streamed_chunks_name_their_choice() -> None:
+    for url in (CHAT, COMPLETIONS):
+        chunks = ChunkMaker(url, "id", "m", 1)
+        assert chunks.text(None, first=True, index=2)["choices"][0]["index"] == 2
+        empty: dict[str, Any] = {"delta": {}} if url == CHAT else {"text": ""}
+        assert chunks.finish("length", 1)["choices"][0] == {
+            "index": 1,
+            **empty,
+            "logprobs": None,
+            "finish_reason": "length",
+        }
 
 
 def test_completions_refuse_several_prompts_and_chat_fields() -> None:
