@@ -4,7 +4,9 @@ keeps is bounded and outlives any gateway.
 
 Keys (prefix `p`): a file's `{p:file:<id>}:meta` and `:data`; a batch's `{p:batch:<id>}:meta`, `:out` and
 `:err` (hashes custom_id -> output line: `HSETNX` makes each line's answer written once); an owner's
-`{p:owner:<hash>}:files` and `:batches` (sorted sets by creation); `{p:batches}:active`. Keys of one object share
+`{p:owner:<hash>}:files` and `:batches` (sorted sets by creation, in ms, which an id carries: a listing's cursor is
+a position, and stays one after its object is gone) and `:files:until`, `:batches:until` (the same ids by the
+epoch second their record expires: what prunes the index); `{p:batches}:active`. Keys of one object share
 a hash tag and no command spans two objects, so every call is single-slot on a Redis Cluster.
 
 A record's fields starting with `_` are private (the owner, reserved file ids); the rest is the OpenAI object.
@@ -25,8 +27,21 @@ WINDOW_S = 24 * 3600  # the one completion window (`24h`, as OpenAI's): a batch'
 
 
 def new_id(kind: Kind) -> str:
-    """An unguessable id in OpenAI's shape (`file-<hex>`, `batch_<hex>`), 128 random bits."""
-    return f"file-{secrets.token_hex(16)}" if kind == "files" else f"batch_{secrets.token_hex(16)}"
+    """An unguessable id in OpenAI's shape (`file-<hex>`, `batch_<hex>`): the creation ms (12 hex digits, so ids
+    sort by creation), then 128 random bits."""
+    tail = f"{int(time.time() * 1000):012x}{secrets.token_hex(16)}"
+    return f"file-{tail}" if kind == "files" else f"batch_{tail}"
+
+
+def created_ms(object_id: str) -> int | None:
+    """The creation ms a `new_id` carries (None for an id of another shape)."""
+    tail = object_id.removeprefix("file-").removeprefix("batch_")
+    if len(tail) != 44:
+        return None
+    try:
+        return int(tail[:12], 16)
+    except ValueError:
+        return None
 
 
 def owner_of(authorization: str | None, auth_on: bool) -> str:
@@ -57,6 +72,9 @@ class BatchStore:
 
     def _index(self, owner: str, kind: Kind) -> str:
         return f"{{{self.prefix}:owner:{owner}}}:{kind}"
+
+    def _until(self, owner: str, kind: Kind) -> str:
+        return f"{self._index(owner, kind)}:until"
 
     @property
     def _active(self) -> str:
@@ -93,7 +111,7 @@ class BatchStore:
         pipe.set(self._key("file", file_id, "data"), data, ex=self.ttl_s)
         pipe.set(self._key("file", file_id, "meta"), json.dumps(record), ex=self.ttl_s)
         await pipe.execute()
-        await self._list_as(owner, "files", file_id)
+        await self._list_as(owner, "files", file_id, record["expires_at"])
         return record
 
     async def file(self, owner: str, file_id: str) -> dict[str, Any] | None:
@@ -110,19 +128,23 @@ class BatchStore:
         key = self._key("file", file_id, "meta")
         raw = await self.redis.get(key)
         until = int(time.time()) + seconds
-        if raw is None or json.loads(raw)["expires_at"] >= until:
+        record = json.loads(raw) if raw is not None else None
+        if record is None or record["expires_at"] >= until:
             return
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(key, json.dumps(json.loads(raw) | {"expires_at": until}), ex=seconds, xx=True)  # not if deleted
+        pipe.set(key, json.dumps(record | {"expires_at": until}), ex=seconds, xx=True)  # not if deleted
         pipe.expire(self._key("file", file_id, "data"), seconds)
         await pipe.execute()
+        await self._list_as(record["_owner"], "files", file_id, until)
 
     async def delete_file(self, owner: str, file_id: str) -> bool:
         if await self.file(owner, file_id) is None:
             return False
-        await self.redis.delete(self._key("file", file_id, "meta"))
-        await self.redis.delete(self._key("file", file_id, "data"))
-        await self.redis.zrem(self._index(owner, "files"), file_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(self._key("file", file_id, "meta"), self._key("file", file_id, "data"))
+        pipe.zrem(self._index(owner, "files"), file_id)
+        pipe.zrem(self._until(owner, "files"), file_id)
+        await pipe.execute()
         return True
 
     # ---------------------------------------------------------------------------------------------- batches
@@ -130,7 +152,7 @@ class BatchStore:
     async def put_batch(self, record: dict[str, Any]) -> None:
         """Stores a new batch, lists it as its owner's and as one to drive."""
         await self.redis.set(self._key("batch", record["id"], "meta"), json.dumps(record), ex=self._batch_ttl_s)
-        await self._list_as(record["_owner"], "batches", record["id"])
+        await self._list_as(record["_owner"], "batches", record["id"], int(time.time()) + self._batch_ttl_s)
         await self.redis.zadd(self._active, {record["id"]: time.time()})
 
     async def batch(self, owner: str | None, batch_id: str) -> dict[str, Any] | None:
@@ -157,6 +179,8 @@ class BatchStore:
             return record
 
         result: dict[str, Any] | None = await self.redis.transaction(attempt, key, value_from_callable=True)
+        if result is not None:  # its record lasts longer now: so does its index entry
+            await self._list_as(result["_owner"], "batches", batch_id, int(time.time()) + self._batch_ttl_s)
         return result
 
     async def counts(self, batch_id: str) -> tuple[int, int]:
@@ -223,37 +247,56 @@ class BatchStore:
     async def listed(
         self, owner: str, kind: Kind, after: str | None, limit: int, keep: Callable[[dict[str, Any]], bool] = bool
     ) -> tuple[list[dict[str, Any]], bool]:
-        """`owner`'s files or batches that `keep` keeps, newest first, from the one after `after` (an id not listed
-        there ends the listing); and whether more follow."""
+        """`owner`'s files or batches that `keep` keeps, newest first, from the position after `after` (deleted or
+        expired since, too: the id carries its position); and whether more follow."""
         index = self._index(owner, kind)
-        start = 0
+        position: float | None = None
         if after is not None:
-            rank = await self.redis.zrevrank(index, after)
-            if rank is None:
-                return [], False
-            start = rank + 1
+            position = created_ms(after)
+            if position is None:  # an id of another shape: its position is its index entry's
+                position = await self.redis.zscore(index, after)
+                if position is None:
+                    return [], False
         found: list[dict[str, Any]] = []
+        offset = 0
         while len(found) <= limit:
-            ids = [raw.decode() for raw in await self.redis.zrevrange(index, start, start + limit)]
-            if not ids:
+            top = "+inf" if position is None else position
+            rows = await self.redis.zrevrangebyscore(index, top, "-inf", start=offset, num=limit + 1, withscores=True)
+            if not rows:
                 break
-            start += len(ids)
-            for object_id in ids:
-                record = await self._record("file" if kind == "files" else "batch", owner, object_id)
-                if record is None:
-                    await self.redis.zrem(index, object_id)  # expired: its index entry goes too
-                    start -= 1
-                elif keep(record):
+            offset += len(rows)
+            ids = [raw.decode() for raw, score in rows if after is None or score < top or raw.decode() < after]
+            for record in await self._records("file" if kind == "files" else "batch", owner, ids):
+                if record is not None and keep(record):  # None: gone, pruned from the index later
                     found.append(record)
         return found[:limit], len(found) > limit
 
-    async def _list_as(self, owner: str, kind: Kind, object_id: str) -> None:
-        index, now = self._index(owner, kind), time.time()
+    async def _list_as(self, owner: str, kind: Kind, object_id: str, until: int) -> None:
+        """Lists the object as `owner`'s until its record expires at epoch second `until`; prunes the index of the
+        records expired, and makes it last as long as its longest-lived record."""
+        index, expiry = self._index(owner, kind), self._until(owner, kind)
+        position = created_ms(object_id) or int(time.time() * 1000)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.zadd(index, {object_id: now})
-        pipe.zremrangebyscore(index, "-inf", now - self.ttl_s)  # entries older than any record can be
-        pipe.expire(index, self.ttl_s)
+        pipe.zadd(index, {object_id: position})
+        pipe.zadd(expiry, {object_id: until}, gt=True)  # a record's life only grows
+        pipe.zrangebyscore(expiry, "-inf", f"({int(time.time())}")
+        pipe.zrange(expiry, -1, -1, withscores=True)
+        _, _, gone, (last,) = await pipe.execute()
+        pipe = self.redis.pipeline(transaction=False)
+        if gone:
+            pipe.zrem(index, *gone)
+            pipe.zrem(expiry, *gone)
+        pipe.expireat(index, int(last[1]))
+        pipe.expireat(expiry, int(last[1]))
         await pipe.execute()
+
+    async def _records(self, kind: str, owner: str, object_ids: list[str]) -> list[dict[str, Any] | None]:
+        """The records of `object_ids` (None for one gone or another owner's), in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for object_id in object_ids:
+            pipe.get(self._key(kind, object_id, "meta"))
+        found = [json.loads(raw) if raw is not None else None for raw in await pipe.execute()]
+        return [record if record is not None and record.get("_owner") == owner else None for record in found]
 
     async def _record(self, kind: str, owner: str | None, object_id: str) -> dict[str, Any] | None:
         raw = await self.redis.get(self._key(kind, object_id, "meta"))

@@ -262,6 +262,34 @@ async def test_batches_list_newest_first_page_by_page(gateway: Any, start_worker
     assert all(b.status == "validating" for b in first.data)
 
 
+async def test_a_listing_goes_on_after_its_cursor_object_is_deleted(gateway: Any) -> None:
+    sdk = (await gateway(batch_max_running=0)).sdk()
+    made = [(await sdk.files.create(file=(f"{n}.jsonl", io.BytesIO(b"{}\n")), purpose="batch")).id for n in range(5)]
+    newest = made[::-1]
+    first = await sdk.files.list(limit=2)
+    assert [f.id for f in first.data] == newest[:2] and first.has_more
+    await sdk.files.delete(newest[1])  # the page's cursor is gone: the next page starts after its position still
+    second = await sdk.files.list(limit=2, after=newest[1])
+    assert [f.id for f in second.data] == newest[2:4] and second.has_more
+    assert [f.id async for f in sdk.files.list(limit=2)] == [newest[0], *newest[2:]]
+
+
+async def test_an_owners_index_lasts_as_long_as_its_longest_lived_record(redis_url: str) -> None:
+    redis = open_async(redis_url)
+    store = BatchStore(redis, "index-ttl", ttl_s=60)
+    try:
+        upload = await store.put_file("alice", "in.jsonl", "batch", b"{}\n")
+        await store.keep_file(upload["id"], 7200)  # an input file kept for its batch outlives `ttl_s`
+        await store.put_file("alice", "other.jsonl", "batch", b"{}\n")  # a later write must not shorten it
+        assert await redis.ttl("{index-ttl:owner:alice}:files") > 3600
+        assert await redis.zscore("{index-ttl:owner:alice}:files:until", upload["id"]) >= upload["expires_at"] + 7000
+        await store.put_batch({"id": "batch_y", "object": "batch", "status": "validating", "_owner": "alice"})
+        assert await redis.ttl("{index-ttl:owner:alice}:batches") > 24 * 3600
+        assert [f["id"] for f in (await store.listed("alice", "files", None, 10))[0]][-1] == upload["id"]
+    finally:
+        await redis.aclose()
+
+
 # ------------------------------------------------------------------------------- across a gateway restart
 
 
