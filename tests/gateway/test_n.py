@@ -208,6 +208,24 @@ async def test_one_cancelled_choice_is_the_calls_error_and_stops_the_others(
     await wait_until(lambda: running.worker.engine.stats().requests_finished == {"cancelled": 2})
 
 
+async def test_one_choice_cancelled_mid_stream_is_an_error_event_and_stops_the_others(
+    gateway: Any, start_worker: Any, redis_url: str, sdks: Any
+) -> None:
+    running = await start_worker(step_s=0.01)
+    served = await gateway()
+    model = await served.model()
+    stream = await sdks(served)[0].chat.completions.create(model=model, messages=HI, max_tokens=400, n=2, stream=True)
+    seen = 0
+    with pytest.raises(openai.APIError) as caught:
+        async for chunk in stream:
+            seen += 1
+            if seen == 4:  # the headers and both choices' first chunks are out: the error can only be an event
+                async with AsyncClient(redis_url) as direct:
+                    await AsyncJob.attach(direct, f"{chunk.id}-1").cancel()
+    assert "cancel" in str(caught.value).lower()
+    await wait_until(lambda: running.worker.engine.stats().requests_finished == {"cancelled": 2})
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_more_than_the_bound_or_best_of_is_400_by_name(
     gateway: Any, start_worker: Any, stream: bool, sdks: Any
