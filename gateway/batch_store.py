@@ -24,6 +24,10 @@ from typing import Any, Literal
 Kind = Literal["files", "batches"]
 ANONYMOUS = "anonymous"  # the owner of everything while authentication is off
 WINDOW_S = 24 * 3600  # the one completion window (`24h`, as OpenAI's): a batch's keys outlive it
+# A lease's compare-and-extend and compare-and-delete (KEYS[1] the lease, ARGV[1] the holder's token, ARGV[2] ms):
+# one call each, so no other gateway's lease taken in between is extended or deleted.
+RENEW_LUA = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
+RELEASE_LUA = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
 def new_id(kind: Kind) -> str:
@@ -61,6 +65,7 @@ class BatchStore:
 
     def __init__(self, redis: Any, prefix: str, ttl_s: int) -> None:
         self.redis, self.prefix, self.ttl_s = redis, prefix, ttl_s
+        self._renew, self._release = redis.register_script(RENEW_LUA), redis.register_script(RELEASE_LUA)
 
     @property
     def _batch_ttl_s(self) -> int:
@@ -229,18 +234,14 @@ class BatchStore:
         return bool(taken)
 
     async def renew_lease(self, batch_id: str, token: str, seconds: float) -> bool:
-        """Extends the lease while it is still `token`'s; False once another holds it. Not atomic: exactly once does
-        not rest on the lease (answers are written once, requests ids are derived), it only saves work."""
+        """Extends the lease while it is still `token`'s; False once another holds it (exactly once does not rest on
+        the lease: answers are written once, request ids are derived; it only saves work)."""
         key = self._key("batch", batch_id, "lease")
-        if await self.redis.get(key) != token.encode():
-            return False
-        await self.redis.pexpire(key, int(seconds * 1000))
-        return True
+        return bool(await self._renew(keys=[key], args=[token, int(seconds * 1000)]))
 
     async def release_lease(self, batch_id: str, token: str) -> None:
-        key = self._key("batch", batch_id, "lease")
-        if await self.redis.get(key) == token.encode():
-            await self.redis.delete(key)
+        """Lets go of the lease if it is still `token`'s (never of one another gateway took since)."""
+        await self._release(keys=[self._key("batch", batch_id, "lease")], args=[token])
 
     # --------------------------------------------------------------------------------------------- listing
 

@@ -381,6 +381,9 @@ async def test_the_store_keeps_each_object_in_one_slot_of_a_redis_cluster(redis_
         assert await store.renew_lease("batch_x", "me", 5) and not await store.renew_lease("batch_x", "you", 5)
         await store.release_lease("batch_x", "me")
         assert await store.take_lease("batch_x", "you", 5)
+        await store.release_lease("batch_x", "me")  # not its lease any more: "you" keeps it
+        assert not await store.take_lease("batch_x", "me", 5) and await store.renew_lease("batch_x", "you", 60)
+        assert await redis.pttl("{llmq:batch:batch_x}:lease") > 5000
         assert [b["id"] for b in (await store.listed("alice", "batches", None, 10))[0]] == ["batch_x"]
         assert (await store.listed("bob", "files", None, 10)) == ([], False)
         assert await store.to_drive() == ["batch_x"]
