@@ -26,11 +26,9 @@ from structlog.typing import FilteringBoundLogger
 from client import AsyncClient, AsyncJob
 from client.batch import Line, output_line
 from gateway.batch_lines import check, expired, identity_of, runnable
-from gateway.batch_store import BatchStore
+from gateway.batch_store import ENDED, BatchStore
 from gateway.models import ModelDirectory
 from gateway.settings import GatewaySettings
-
-ENDED = frozenset({"completed", "failed", "expired", "cancelled"})
 
 
 class LeaseLost(Exception):
@@ -142,8 +140,11 @@ class BatchRun:
         if record["status"] == "validating" and not await self.driver.models.served():
             return  # no worker alive (yet): validated in a later round, without reading the file now
         data = await self.store.file_data(record["input_file_id"])
-        if data is None:
-            await self._fail(record, "input_file_missing", "The input file no longer exists.")
+        if data is None:  # deleted before `DELETE /v1/files` refused it: ends with what was answered
+            if record["status"] == "cancelling":
+                await self._end(record, "cancelled")
+            else:
+                await self._fail(record, "input_file_missing", "The input file no longer exists.")
             return
         if record["status"] == "validating":
             validated = await self._validate(record, data)
@@ -242,9 +243,9 @@ class BatchRun:
             return  # stopped early (the gateway is stopping): the next driver goes on
         await self._end(record, final)
 
-    async def _end(self, record: dict[str, Any], final: str) -> None:
+    async def _end(self, record: dict[str, Any], final: str, errors: list[dict[str, Any]] | None = None) -> None:
         """Writes the output and error files (what was answered) and ends the batch `final` (`cancelled` if a
-        cancel came first)."""
+        cancel came first; `failed` with `errors`)."""
         files: dict[str, str] = {}
         for succeeded, name in ((True, "output"), (False, "error")):
             content = await self.store.answers(self.batch_id, succeeded)
@@ -257,7 +258,8 @@ class BatchRun:
             if now["status"] in ENDED:
                 return None
             end = "cancelled" if now["status"] == "cancelling" else final
-            return {"status": end, f"{end}_at": int(time.time()), **files}
+            fields = {"status": end, f"{end}_at": int(time.time()), **files}
+            return fields | {"errors": {"object": "list", "data": errors}} if end == "failed" and errors else fields
 
         await self.store.update(self.batch_id, ended)
         await self.store.finished(self.batch_id)
@@ -267,16 +269,7 @@ class BatchRun:
         self, record: dict[str, Any], code: str | None, message: str | None, errors: list[dict[str, Any]] | None = None
     ) -> None:
         listed = errors if errors is not None else [{"code": code, "message": message, "param": None}]
-
-        def failed(now: dict[str, Any]) -> dict[str, Any] | None:
-            if now["status"] in ENDED:
-                return None
-            if now["status"] == "cancelling":
-                return {"status": "cancelled", "cancelled_at": int(time.time())}
-            return {"status": "failed", "failed_at": int(time.time()), "errors": {"object": "list", "data": listed}}
-
-        await self.store.update(self.batch_id, failed)
-        await self.store.finished(self.batch_id)
+        await self._end(record, "failed", listed)
 
 
 def _finalizing(record: dict[str, Any]) -> dict[str, Any] | None:

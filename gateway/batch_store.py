@@ -2,12 +2,13 @@
 index per owner for listing and one of the batches still to drive, all expiring (`batch_ttl_s`), so what the API
 keeps is bounded and outlives any gateway.
 
-Keys (prefix `p`): a file's `{p:file:<id>}:meta` and `:data`; a batch's `{p:batch:<id>}:meta`, `:out` and
-`:err` (hashes custom_id -> output line: `HSETNX` makes each line's answer written once); an owner's
-`{p:owner:<hash>}:files` and `:batches` (sorted sets by creation, in ms, which an id carries: a listing's cursor is
-a position, and stays one after its object is gone) and `:files:until`, `:batches:until` (the same ids by the
-epoch second their record expires: what prunes the index); `{p:batches}:active`. Keys of one object share
-a hash tag and no command spans two objects, so every call is single-slot on a Redis Cluster.
+Keys (prefix `p`): a file's `{p:file:<id>}:meta`, `:data` and `:batches` (the batches whose input it is); a
+batch's `{p:batch:<id>}:meta`, `:out` and `:err` (hashes custom_id -> output line: `HSETNX` makes each line's
+answer written once); an owner's `{p:owner:<hash>}:files` and `:batches` (sorted sets by creation, in ms, which an
+id carries: a listing's cursor is a position, and stays one after its object is gone) and `:files:until`,
+`:batches:until` (the same ids by the epoch second their record expires: what prunes the index);
+`{p:batches}:active`. Keys of one object share a hash tag and no command spans two objects, so every call is
+single-slot on a Redis Cluster.
 
 A record's fields starting with `_` are private (the owner, reserved file ids); the rest is the OpenAI object.
 """
@@ -23,6 +24,7 @@ from typing import Any, Literal
 
 Kind = Literal["files", "batches"]
 ANONYMOUS = "anonymous"  # the owner of everything while authentication is off
+ENDED = frozenset({"completed", "failed", "expired", "cancelled"})  # a batch's statuses it never leaves
 WINDOW_S = 24 * 3600  # the one completion window (`24h`, as OpenAI's): a batch's keys outlive it
 # A lease's compare-and-extend and compare-and-delete (KEYS[1] the lease, ARGV[1] the holder's token, ARGV[2] ms):
 # one call each, so no other gateway's lease taken in between is extended or deleted.
@@ -142,11 +144,20 @@ class BatchStore:
         await pipe.execute()
         await self._list_as(record["_owner"], "files", file_id, until)
 
+    async def batches_reading(self, file_id: str) -> list[str]:
+        """The unfinished batches whose input the file is (a batch reads it until it ends)."""
+        found = []
+        for raw in await self.redis.smembers(self._key("file", file_id, "batches")):  # a batch per creation: few
+            record = await self.batch(None, raw.decode())
+            if record is not None and record["status"] not in ENDED:
+                found.append(record["id"])
+        return found
+
     async def delete_file(self, owner: str, file_id: str) -> bool:
         if await self.file(owner, file_id) is None:
             return False
         pipe = self.redis.pipeline(transaction=False)
-        pipe.delete(self._key("file", file_id, "meta"), self._key("file", file_id, "data"))
+        pipe.delete(*(self._key("file", file_id, part) for part in ("meta", "data", "batches")))
         pipe.zrem(self._index(owner, "files"), file_id)
         pipe.zrem(self._until(owner, "files"), file_id)
         await pipe.execute()
@@ -155,7 +166,12 @@ class BatchStore:
     # ---------------------------------------------------------------------------------------------- batches
 
     async def put_batch(self, record: dict[str, Any]) -> None:
-        """Stores a new batch, lists it as its owner's and as one to drive."""
+        """Stores a new batch, lists it as its owner's, as one to drive and as a reader of its input file."""
+        readers = self._key("file", record["input_file_id"], "batches")
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.sadd(readers, record["id"])
+        pipe.expire(readers, self._batch_ttl_s)  # as long as the file is kept for the batch
+        await pipe.execute()
         await self.redis.set(self._key("batch", record["id"], "meta"), json.dumps(record), ex=self._batch_ttl_s)
         await self._list_as(record["_owner"], "batches", record["id"], int(time.time()) + self._batch_ttl_s)
         await self.redis.zadd(self._active, {record["id"]: time.time()})

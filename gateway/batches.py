@@ -11,9 +11,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from client.openai_format import CHAT, COMPLETIONS
-from gateway.batch_driver import ENDED
 from gateway.batch_http import answered, listing, not_found, owned, owner
-from gateway.batch_store import WINDOW_S, new_id
+from gateway.batch_store import ENDED, WINDOW_S, new_id
 from gateway.completions import read_json
 from gateway.errors import APIError
 from gateway.state import Gateway

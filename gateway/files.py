@@ -50,6 +50,10 @@ async def file_content(request: Request) -> Response:
 async def delete_file(request: Request) -> Response:
     gateway: Gateway = request.app.state.gateway
     file_id = request.path_params["file_id"]
+    reading = await gateway.batches.batches_reading(file_id)
+    if reading and await gateway.batches.file(owner(request), file_id) is not None:
+        message = f"The file is the input of the unfinished batch {reading[0]}: delete it once the batch has ended."
+        raise APIError(409, message, code="file_in_use", param="file_id")
     if not await gateway.batches.delete_file(owner(request), file_id):
         raise not_found("file", file_id)
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})

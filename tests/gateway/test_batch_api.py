@@ -199,6 +199,19 @@ async def test_a_batch_no_worker_validates_expires_at_the_end_of_its_window(gate
     assert batch.output_file_id is None and batch.error_file_id is None
 
 
+async def test_an_unfinished_batchs_input_file_cannot_be_deleted(gateway: Any) -> None:
+    served = await gateway(batch_poll_s=0.05)  # no worker: the batch waits in `validating`
+    sdk = served.sdk()
+    batch = await submitted(sdk, jsonl([line("a")]))
+    with pytest.raises(openai.ConflictError) as refused:
+        await sdk.files.delete(batch.input_file_id)
+    assert refused.value.code == "file_in_use" and batch.id in refused.value.message
+    assert (await sdk.files.retrieve(batch.input_file_id)).id == batch.input_file_id
+    await sdk.batches.cancel(batch.id)
+    assert (await ended(sdk, batch.id, within_s=20)).status == "cancelled"
+    assert (await sdk.files.delete(batch.input_file_id)).deleted  # once the batch has ended, it can
+
+
 async def test_files_and_batches_belong_to_their_api_key(gateway: Any, start_worker: Any) -> None:
     await start_worker()
     served = await gateway(api_keys="key-one,key-two", batch_file_max_bytes=4096, batch_poll_s=0.05)
@@ -283,7 +296,7 @@ async def test_an_owners_index_lasts_as_long_as_its_longest_lived_record(redis_u
         await store.put_file("alice", "other.jsonl", "batch", b"{}\n")  # a later write must not shorten it
         assert await redis.ttl("{index-ttl:owner:alice}:files") > 3600
         assert await redis.zscore("{index-ttl:owner:alice}:files:until", upload["id"]) >= upload["expires_at"] + 7000
-        await store.put_batch({"id": "batch_y", "object": "batch", "status": "validating", "_owner": "alice"})
+        await store.put_batch({"id": "batch_y", "status": "validating", "_owner": "alice", "input_file_id": "f"})
         assert await redis.ttl("{index-ttl:owner:alice}:batches") > 24 * 3600
         assert [f["id"] for f in (await store.listed("alice", "files", None, 10))[0]][-1] == upload["id"]
     finally:
@@ -370,7 +383,7 @@ async def test_the_store_keeps_each_object_in_one_slot_of_a_redis_cluster(redis_
         upload = await store.put_file("alice", "in.jsonl", "batch", b"{}\n")
         assert await store.file_data(upload["id"]) == b"{}\n" and await store.file("bob", upload["id"]) is None
         await store.keep_file(upload["id"], 7200)
-        batch = {"id": "batch_x", "object": "batch", "status": "validating", "_owner": "alice"}
+        batch = {"id": "batch_x", "object": "batch", "status": "validating", "_owner": "alice", "input_file_id": "f"}
         await store.put_batch(batch | {"request_counts": {"total": 2, "completed": 0, "failed": 0}})
         moved = await store.update("batch_x", lambda now: {"status": "in_progress"})
         assert moved is not None and moved["status"] == "in_progress"
