@@ -30,6 +30,8 @@ from gateway.batch_store import ENDED, BatchStore
 from gateway.models import ModelDirectory
 from gateway.settings import GatewaySettings
 
+END_ATTEMPTS = 5  # tries at writing a batch's files (each a takeover after a failure) before it fails instead
+
 
 class LeaseLost(Exception):
     """Another gateway holds the batch now: stop driving it, write nothing more."""
@@ -246,13 +248,21 @@ class BatchRun:
     async def _end(self, record: dict[str, Any], final: str, errors: list[dict[str, Any]] | None = None) -> None:
         """Writes the output and error files (what was answered) and ends the batch `final` (`cancelled` if a
         cancel came first; `failed` with `errors`)."""
+        counted = await self.store.update(self.batch_id, _an_end_attempt)
+        if counted is None or counted["status"] in ENDED:
+            await self.store.finished(self.batch_id)
+            return
         files: dict[str, str] = {}
-        for succeeded, name in ((True, "output"), (False, "error")):
-            content = await self.store.answers(self.batch_id, succeeded)
-            if content:
-                filename = f"{self.batch_id}_{name}.jsonl"
-                await self.store.put_file(record["_owner"], filename, "batch_output", content, record[f"_{name}_file"])
-                files[f"{name}_file_id"] = record[f"_{name}_file"]
+        if counted["_end_attempts"] > END_ATTEMPTS:  # writing the files failed each time (logged): given up
+            self.driver.log.error("batch_files_abandoned", batch_id=self.batch_id)
+            final, errors = (
+                "failed",
+                [_error("finalize_failed", "The batch's output and error files could not be written.")],
+            )
+        else:
+            files, too_large = await self._write_files(record)
+            if too_large:
+                final, errors = "failed", [*(errors or []), *too_large]
 
         def ended(now: dict[str, Any]) -> dict[str, Any] | None:
             if now["status"] in ENDED:
@@ -265,11 +275,34 @@ class BatchRun:
         await self.store.finished(self.batch_id)
         self.driver.log.info("batch_ended", batch_id=self.batch_id, status=final)
 
+    async def _write_files(self, record: dict[str, Any]) -> tuple[dict[str, str], list[dict[str, Any]]]:
+        """Writes the output and error files of what was answered: their ids, and the errors of those too large."""
+        files: dict[str, str] = {}
+        too_large = []
+        most = self.driver.settings.batch_output_max_bytes
+        for succeeded, name in ((True, "output"), (False, "error")):
+            content = await self.store.answers(self.batch_id, succeeded, most)
+            if content is None:
+                message = f"The batch's {name} file would exceed {most} bytes (batch_output_max_bytes)."
+                too_large.append(_error("output_too_large", message))
+            elif content:
+                filename = f"{self.batch_id}_{name}.jsonl"
+                await self.store.put_file(record["_owner"], filename, "batch_output", content, record[f"_{name}_file"])
+                files[f"{name}_file_id"] = record[f"_{name}_file"]
+        return files, too_large
+
     async def _fail(
         self, record: dict[str, Any], code: str | None, message: str | None, errors: list[dict[str, Any]] | None = None
     ) -> None:
-        listed = errors if errors is not None else [{"code": code, "message": message, "param": None}]
-        await self._end(record, "failed", listed)
+        await self._end(record, "failed", errors if errors is not None else [_error(code, message)])
+
+
+def _error(code: str | None, message: str | None) -> dict[str, Any]:
+    return {"code": code, "message": message, "param": None}
+
+
+def _an_end_attempt(record: dict[str, Any]) -> dict[str, Any] | None:
+    return None if record["status"] in ENDED else {"_end_attempts": record.get("_end_attempts", 0) + 1}
 
 
 def _finalizing(record: dict[str, Any]) -> dict[str, Any] | None:

@@ -229,11 +229,17 @@ class BatchStore:
         pipe.expire(err, self._batch_ttl_s)
         await pipe.execute()
 
-    async def answers(self, batch_id: str, succeeded: bool) -> bytes:
-        """The output (or error) file's content: every answer, one JSON line each."""
+    async def answers(self, batch_id: str, succeeded: bool, most: int) -> bytes | None:
+        """The output (or error) file's content: every answer, one JSON line each; None past `most` bytes (read no
+        further: what is held stays bounded)."""
         key = self._key("batch", batch_id, "out" if succeeded else "err")
-        lines = [line async for _, line in self.redis.hscan_iter(key)]
-        return b"".join(line + b"\n" for line in lines)
+        lines, size = [], 0
+        async for _, line in self.redis.hscan_iter(key):
+            size += len(line) + 1
+            if size > most:
+                return None
+            lines.append(line + b"\n")
+        return b"".join(lines)
 
     async def to_drive(self) -> list[str]:
         """The batches not yet finished, oldest first."""

@@ -77,6 +77,12 @@ class GatewaySettings(BaseSettings, LimitSettings):
         default=50_000_000, ge=1024, le=512_000_000, description="largest file /v1/files accepts (413 beyond)"
     )
     batch_max_lines: int = Field(default=50_000, ge=1, le=1_000_000, description="most requests in one batch")
+    batch_output_max_bytes: int = Field(
+        default=200_000_000,
+        ge=1024,
+        le=512_000_000,  # one Redis string
+        description="largest output (or error) file a batch writes: beyond, the batch fails with output_too_large",
+    )
     batch_ttl_s: int = Field(
         default=7 * 24 * 3600,
         ge=60,

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from client.connection import open_async
+from gateway.batch_driver import END_ATTEMPTS
 from gateway.batch_store import BatchStore
 from gateway.batch_upload import split
 from gateway.errors import APIError
@@ -212,6 +213,39 @@ async def test_an_unfinished_batchs_input_file_cannot_be_deleted(gateway: Any) -
     assert (await sdk.files.delete(batch.input_file_id)).deleted  # once the batch has ended, it can
 
 
+async def test_an_output_file_past_its_bound_fails_the_batch(gateway: Any, start_worker: Any) -> None:
+    await start_worker()
+    served = await gateway(batch_poll_s=0.05, batch_output_max_bytes=1024)
+    model = await served.model()
+    sdk = served.sdk()
+    batch = await ended(sdk, (await submitted(sdk, jsonl([line(f"r{i}", model=model) for i in range(6)]))).id)
+    assert batch.status == "failed" and batch.output_file_id is None and batch.errors is not None
+    assert [error.code for error in batch.errors.data or []] == ["output_too_large"]
+
+
+async def test_a_batch_whose_files_cannot_be_written_fails_instead_of_retrying_forever(
+    gateway: Any, start_worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await start_worker()
+    served = await gateway(batch_poll_s=0.05)
+    model = await served.model()
+    sdk = served.sdk()
+    tries: list[str] = []
+    put_file = served.state.batches.put_file
+
+    async def refused(owner: str, filename: str, purpose: str, *args: Any) -> dict[str, Any]:
+        if purpose != "batch_output":  # the upload is stored
+            return await put_file(owner, filename, purpose, *args)
+        tries.append(filename)
+        raise RuntimeError("the output cannot be stored")
+
+    monkeypatch.setattr(served.state.batches, "put_file", refused)
+    batch = await ended(sdk, (await submitted(sdk, jsonl([line("a", model=model)]))).id)
+    assert batch.status == "failed" and batch.output_file_id is None and batch.errors is not None
+    assert [error.code for error in batch.errors.data or []] == ["finalize_failed"]
+    assert len(tries) == END_ATTEMPTS
+
+
 async def test_files_and_batches_belong_to_their_api_key(gateway: Any, start_worker: Any) -> None:
     await start_worker()
     served = await gateway(api_keys="key-one,key-two", batch_file_max_bytes=4096, batch_poll_s=0.05)
@@ -389,7 +423,9 @@ async def test_the_store_keeps_each_object_in_one_slot_of_a_redis_cluster(redis_
         assert moved is not None and moved["status"] == "in_progress"
         await store.answer("batch_x", [("a", "line a", True), ("b", "line b", False), ("a", "again", True)])
         assert await store.counts("batch_x") == (1, 1) and await store.answered("batch_x") == {"a", "b"}
-        assert await store.answers("batch_x", True) == b"line a\n"
+        assert (
+            await store.answers("batch_x", True, 100) == b"line a\n" and await store.answers("batch_x", True, 6) is None
+        )
         assert await store.take_lease("batch_x", "me", 5) and not await store.take_lease("batch_x", "you", 5)
         assert await store.renew_lease("batch_x", "me", 5) and not await store.renew_lease("batch_x", "you", 5)
         await store.release_lease("batch_x", "me")
