@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
+from gateway.auth import bearer_token
+
 Kind = Literal["files", "batches"]
 ANONYMOUS = "anonymous"  # the owner of everything while authentication is off
 ENDED = frozenset({"completed", "failed", "expired", "cancelled"})  # a batch's statuses it never leaves
@@ -54,7 +56,7 @@ def owner_of(authorization: str | None, auth_on: bool) -> str:
     """Who owns what a request creates: a digest of its API key (never the key), or `ANONYMOUS` without auth."""
     if not auth_on:
         return ANONYMOUS
-    token = (authorization or "").partition(" ")[2].strip()
+    token = bearer_token(authorization) or ""  # a request that got here had a valid key (`gateway.auth`)
     return hashlib.sha256(token.encode()).hexdigest()[:32]
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from client.connection import open_async
 from gateway.batch_driver import END_ATTEMPTS
-from gateway.batch_store import BatchStore
+from gateway.batch_store import ANONYMOUS, BatchStore, owner_of
 from gateway.batch_upload import split
 from gateway.errors import APIError
 from testing.redis_topologies import RedisClusterSet
@@ -435,6 +435,8 @@ async def test_the_store_keeps_each_object_in_one_slot_of_a_redis_cluster(redis_
         assert await redis.pttl("{llmq:batch:batch_x}:lease") > 5000
         assert [b["id"] for b in (await store.listed("alice", "batches", None, 10))[0]] == ["batch_x"]
         assert (await store.listed("bob", "files", None, 10)) == ([], False)
+        assert owner_of("Bearer k1", True) == owner_of("bearer  k1 ", True) != owner_of("Bearer k2", True)
+        assert owner_of("Bearer k1", False) == ANONYMOUS
         assert await store.to_drive() == ["batch_x"]
         assert await store.delete_file("alice", upload["id"]) and await store.file_data(upload["id"]) is None
     finally:
