@@ -188,21 +188,24 @@ class BatchStore:
         """Applies `change` (the record -> the fields to set, or None for no change) atomically against concurrent
         updates (WATCH); returns the record as it is afterwards, or None when the batch is gone."""
         key = self._key("batch", batch_id, "meta")
+        changed = False
 
         async def attempt(pipe: Any) -> dict[str, Any] | None:
+            nonlocal changed
             raw = await pipe.get(key)
             if raw is None:
                 return None
             record: dict[str, Any] = json.loads(raw)
             fields = change(record)
             pipe.multi()
+            changed = bool(fields)
             if fields:
                 record |= fields
                 pipe.set(key, json.dumps(record), ex=self._batch_ttl_s)
             return record
 
         result: dict[str, Any] | None = await self.redis.transaction(attempt, key, value_from_callable=True)
-        if result is not None:  # its record lasts longer now: so does its index entry
+        if result is not None and changed:  # its record lasts longer now: so does its index entry
             await self._list_as(result["_owner"], "batches", batch_id, int(time.time()) + self._batch_ttl_s)
         return result
 
