@@ -54,7 +54,7 @@ async def test_json_object_output_is_a_json_object(gateway: Any, start_worker: A
     assert isinstance(parsed, dict), f"json_object gave {shaped.choices[0].message.content!r}"  # OpenAI: an object
 
 
-@pytest.mark.parametrize(("field", "value"), [("n", 2), ("logit_bias", {"5": 1}), ("best_of", 2)])
+@pytest.mark.parametrize(("field", "value"), [("n", 17), ("logit_bias", {"5": 1}), ("best_of", 2)])
 async def test_non_noop_openai_fields_are_400_naming_the_field(gateway: Any, start_worker: Any, field: str,
                                                                value: Any) -> None:
     await start_worker()

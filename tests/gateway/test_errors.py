@@ -24,7 +24,7 @@ def assert_openai_error(error: openai.APIStatusError, status: int, code: str, pa
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"logit_bias": {"5": 1}}, "logit_bias"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"service_tier": "scale"}, "service_tier"),

@@ -39,7 +39,7 @@ async def test_requests_are_labelled_by_their_served_model(gateway: Any, start_w
     with pytest.raises(openai.NotFoundError):
         await sdk.chat.completions.create(model="no-such-model", messages=HI, max_tokens=2)
     with pytest.raises(openai.BadRequestError):
-        await sdk.chat.completions.create(model=model, messages=HI, n=3)  # refused before the model is looked up
+        await sdk.chat.completions.create(model=model, messages=HI, n=17)  # refused before the model is looked up
     async with served.http() as http:
         text = (await http.get("/metrics")).text
     read = samples(text)

@@ -218,7 +218,7 @@ async def test_every_answer_carries_a_request_id(gateway: Any, start_worker: Any
             await authed.get("/v1/models/nope"),
             await anonymous.get("/nowhere"),
             await anonymous.post("/v1/chat/completions", json={"model": model, "messages": HI}),
-            await authed.post("/v1/chat/completions", json={"model": model, "messages": HI, "n": 3}),
+            await authed.post("/v1/chat/completions", json={"model": model, "messages": HI, "n": 17}),
             await authed.post("/v1/chat/completions", content=b"{"),
         ]
         ok = await authed.post("/v1/chat/completions", json={"model": model, "messages": HI, "max_tokens": 2})
