@@ -123,9 +123,10 @@ def translate(body: dict[str, Any], url: str, *, echo_allowed: bool = False, n_a
         out.options["priority"] = out.lane
     params = _params(body, url)
     out.echo = _echo(body, url, echo_allowed)
-    if out.echo and out.stream and "input_ids" in out.options:  # a stream's first delta lacks the first token's text
-        raise FieldError("echo", "a streamed echo needs a string prompt (a token-id prompt is echoed unstreamed)")
-    if out.echo:  # the prompt's tokens and scores (alternatives as `logprobs` asks); also allows max_tokens 0
+    # The prompt is scored only where the echo needs the worker: for `logprobs` (alternatives as it asks), for a
+    # token-id prompt's texts, and for `max_tokens` 0 (a request that generates nothing must score). A string
+    # prompt echoed without them is the prompt as sent, and keeps its cached prefix.
+    if out.echo and (params.get("logprobs") or "input_ids" in out.options or params.get("max_new_tokens") == 0):
         params["prompt_logprobs"] = params.get("top_logprobs", 0)
     if body.get("max_completion_tokens") is not None:
         out.max_tokens_field = "max_completion_tokens"
@@ -315,18 +316,12 @@ class Echo:
 def echo_of(
     asked: Translated, scores: list[TokenLogprob | None] | None, tokens: list[str] | None = None
 ) -> Echo | None:
-    """What to echo for `asked` (None unless it asked), from the prompt's scores (`Result.prompt_logprobs` or the
-    first `Delta`'s) and its tokens' texts (`Result.prompt_tokens`). A string prompt is echoed as sent, a
-    token-id prompt as its tokens' texts joined. Without `tokens` (a stream's delta has only the scores, and the
-    first token has none), the first token's text is what the string prompt holds before the other tokens'
-    texts: exact when the tokens' texts make up the prompt (byte-level BPE without a BOS token), else empty."""
+    """What to echo for `asked` (None unless it asked), from the prompt's scores and its tokens' texts (a
+    `Result`'s or a stream's first `Delta`'s `prompt_logprobs` and `prompt_tokens`). A string prompt is echoed as
+    sent, a token-id prompt as its tokens' texts joined."""
     if not asked.echo:
         return None
     prompt = asked.options.get("prompt")
-    if tokens is None and scores is not None and isinstance(prompt, str):
-        rest = [score.text if score is not None else "" for score in scores[1:]]
-        tail = "".join(rest)
-        tokens = [prompt[: len(prompt) - len(tail)] if prompt.endswith(tail) else "", *rest]
     text = prompt if isinstance(prompt, str) else "".join(tokens or [])
     if not asked.options.get("logprobs") or tokens is None or scores is None:
         return Echo(text)

@@ -237,10 +237,13 @@ class Answer:
         usages: list[Usage] = []
         try:
             for index, first in enumerate(firsts):
-                # An echo's prompt comes on the first chunk: the first delta, which scores it, has no tokens.
-                echo = echo_of(self.asked, first.prompt_logprobs if first is not None else None)
-                yield event(chunks.text(first, first=True, echo=echo, index=index))
-                offsets.append((len(echo.text) if echo is not None else 0) + (len(first.text) if first else 0))
+                echo = echo_of(self.asked, *((first.prompt_logprobs, first.prompt_tokens) if first else (None, None)))
+                echoed = len(echo.text) if echo is not None else 0
+                if echo is not None:  # the prompt comes alone on its choice's first chunk, with its scores if asked
+                    yield event(chunks.text(None, first=True, echo=echo, index=index))
+                if echo is None or (first is not None and (first.text or first.logprobs)):  # an unscored echo's
+                    yield event(chunks.text(first, first=echo is None, offset=echoed, index=index))  # first tokens
+                offsets.append(echoed + (len(first.text) if first else 0))
             async with contextlib.aclosing(_merged(streams)) as merged:  # closed here, its waits with it
                 async for index, delta in merged:
                     if delta is None:  # this choice's stream has ended

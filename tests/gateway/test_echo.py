@@ -60,6 +60,14 @@ async def test_echo_scores_the_prompt_as_a_forward_pass(
     )
     assert by_ids.choices[0].text == PROMPT  # a token-id prompt echoes its tokens' texts
     check_prompt_scores(by_ids.choices[0].logprobs, ids, reference)
+    streamed_ids = [
+        c
+        async for c in await sdk.completions.create(
+            model=model, prompt=ids, echo=True, logprobs=TOP, max_tokens=2, temperature=0, stream=True
+        )
+    ]
+    assert streamed_ids[0].choices[0].text == PROMPT  # streamed too: the first chunk has the tokens' texts
+    check_prompt_scores(streamed_ids[0].choices[0].logprobs, ids, reference)
 
     more: dict[str, Any] = {"echo": True, "logprobs": TOP, "max_tokens": 4, "temperature": 0}
     with_answer = await asyncio.to_thread(sync.completions.create, model=model, prompt=PROMPT, **more)
@@ -96,7 +104,6 @@ async def test_echo_is_refused_by_name_where_it_cannot_be_honoured(gateway: Any,
     messages: Any = [{"role": "user", "content": "hi"}]
     for call, param in (
         (sdk.chat.completions.create(model=model, messages=messages, max_tokens=2, extra_body={"echo": True}), "echo"),
-        (sdk.completions.create(model=model, prompt=[5, 6], max_tokens=2, echo=True, stream=True), "echo"),
         (sdk.completions.create(model=model, prompt="hi", max_tokens=0), "max_tokens"),  # only an echo may be empty
     ):
         with pytest.raises(openai.BadRequestError) as caught:

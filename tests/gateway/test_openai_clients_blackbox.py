@@ -1010,9 +1010,8 @@ def test_echo_of_a_multibyte_prompt_returns_it_exactly_with_offsets_inside_it(fl
     [
         (CHAT, {"messages": ask("x"), "echo": True, "max_tokens": 2}, "echo"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
-        ("/v1/completions", {"prompt": [5, 6, 7], "echo": True, "stream": True, "max_tokens": 2}, "echo"),
     ],
-    ids=["echo-on-chat", "zero-tokens-without-echo", "streamed-echo-of-token-ids"],
+    ids=["echo-on-chat", "zero-tokens-without-echo"],
 )
 def test_echo_where_it_cannot_apply_is_refused_by_name(
     fleet: Fleet, url: str, route: str, body: dict[str, Any], param: str

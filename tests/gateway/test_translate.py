@@ -259,14 +259,17 @@ def test_completions_refuse_several_prompts_and_chat_fields() -> None:
 def test_echo_scores_the_prompt_on_completions_only() -> None:
     scored = translate({"prompt": "ab", "echo": True, "logprobs": 2, "max_tokens": 0}, COMPLETIONS, echo_allowed=True)
     assert scored.echo and scored.options["prompt_logprobs"] == 2 and scored.options["max_new_tokens"] == 0
-    plain = translate({"prompt": [5, 6], "echo": True}, COMPLETIONS, echo_allowed=True)
+    plain = translate({"prompt": [5, 6], "echo": True}, COMPLETIONS, echo_allowed=True)  # its texts come scored
     assert plain.echo and plain.options["prompt_logprobs"] == 0 and "logprobs" not in plain.options
+    streamed = translate({"prompt": [5, 6], "echo": True, "stream": True}, COMPLETIONS, echo_allowed=True)
+    assert streamed.echo and streamed.options["prompt_logprobs"] == 0
+    as_sent = translate({"prompt": "ab", "echo": True, "max_tokens": 2}, COMPLETIONS, echo_allowed=True)
+    assert as_sent.echo and "prompt_logprobs" not in as_sent.options  # echoed as sent: nothing to score
     assert not translate({"prompt": "a", "echo": False}, COMPLETIONS, echo_allowed=True).echo  # SDKs may send it
     assert "prompt_logprobs" not in translate({"messages": USER, "echo": False}, CHAT, echo_allowed=True).options
     for body, url in (
         ({"messages": USER, "echo": True}, CHAT),  # OpenAI has no echo on chat
         ({"prompt": "a", "echo": "yes"}, COMPLETIONS),
-        ({"prompt": [5, 6], "echo": True, "stream": True}, COMPLETIONS),  # a stream lacks the first token's text
     ):
         with pytest.raises(FieldError) as caught:
             translate(body, url, echo_allowed=True)
@@ -294,8 +297,7 @@ def test_an_echo_comes_before_the_generated_tokens_with_the_first_score_null() -
         "top_logprobs": [None, {" sky": -1.25, " sea": -2.0}, {" is": -0.5, " was": -1.0}],
         "text_offset": [0, 3, 7],
     }
-    # A stream's first delta has only the scores: the first token's text is the rest of the prompt before them.
-    assert echo_of(asked, PROMPT_SCORES) == echo
+    assert echo_of(asked, PROMPT_SCORES) == Echo("The sky")  # without the tokens' texts: the prompt as sent
     assert logprobs_body(COMPLETIONS, None, echo=echo) == {
         "tokens": ["The", " sky"],
         "token_logprobs": [None, -1.25],
