@@ -200,6 +200,23 @@ async def test_a_batch_no_worker_validates_expires_at_the_end_of_its_window(gate
     assert batch.output_file_id is None and batch.error_file_id is None
 
 
+async def test_a_batch_past_its_window_expires_though_the_workers_expired_answers_fill_its_count(
+    gateway: Any,
+) -> None:
+    served = await gateway(batch_max_running=0)  # the batch is set up below, then driven by a second gateway
+    sdk = served.sdk()
+    batch = await submitted(sdk, jsonl([line("a")]))
+    expired_answer = json.dumps({"custom_id": "a", "response": None, "error": {"code": "expired", "message": "late"}})
+    await served.state.batches.answer(batch.id, [("a", expired_answer, False)])
+    counts = {"total": 1, "completed": 0, "failed": 0}
+    moved = {"status": "in_progress", "model": "m", "request_counts": counts, "expires_at": 0}
+    await served.state.batches.update(batch.id, lambda record: moved)
+    driver = await gateway(batch_poll_s=0.05)
+    batch = await ended(driver.sdk(), batch.id, within_s=20)
+    assert batch.status == "expired" and batch.expired_at is not None and batch.completed_at is None
+    assert batch.error_file_id is not None and batch.output_file_id is None
+
+
 async def test_an_unfinished_batchs_input_file_cannot_be_deleted(gateway: Any) -> None:
     served = await gateway(batch_poll_s=0.05)  # no worker: the batch waits in `validating`
     sdk = served.sdk()
