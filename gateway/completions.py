@@ -114,7 +114,8 @@ async def _complete(gateway: Gateway, request: Request, call: Call, started: flo
     if asked.model in served:  # a served model's name, so a bounded label; a queue's name (accepted too) is none
         label_model(request.scope, asked.model)
     timeout = request_timeout(request.headers.get(TIMEOUT_HEADER), gateway.settings.request_timeout_s)
-    request_id, call.idempotent = request_id_for(request.headers, bearer_token(request.headers.get("authorization")))
+    api_key = bearer_token(request.headers.get("authorization"))
+    request_id, call.idempotent = request_id_for(request.headers, api_key, url)
     call.submitting = True
     jobs: list[AsyncJob] = []
     answer = Answer(

@@ -30,22 +30,24 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-def idempotent_request_id(api_key: str | None, idempotency_key: str) -> str:
-    """The generation id of a call with `idempotency_key`: a keyed hash (HMAC-SHA256) under the caller's API key
-    (None: `anonymous`), so the same key from two API keys names two generations, and an id shows neither."""
+def idempotent_request_id(api_key: str | None, idempotency_key: str, route: str) -> str:
+    """The generation id of a call to `route` with `idempotency_key`: a keyed hash (HMAC-SHA256) under the
+    caller's API key (None: `anonymous`), so the same key from two API keys, or sent to chat and to completions,
+    names two generations (an answer of one endpoint never comes back as the other's), and an id shows none."""
     secret = b"anonymous" if api_key is None else b"key:" + api_key.encode()
-    return "idem-" + hmac.new(secret, idempotency_key.encode(), hashlib.sha256).hexdigest()[:32]
+    message = f"{route}\n{idempotency_key}".encode()
+    return "idem-" + hmac.new(secret, message, hashlib.sha256).hexdigest()[:32]
 
 
-def request_id_for(headers: Headers, api_key: str | None) -> tuple[str, bool]:
-    """The id to submit a call under and whether it is idempotent (it carried an `Idempotency-Key`)."""
+def request_id_for(headers: Headers, api_key: str | None, route: str) -> tuple[str, bool]:
+    """The id to submit a call to `route` under and whether it is idempotent (it carried an `Idempotency-Key`)."""
     key = headers.get(IDEMPOTENCY_KEY)
     if key is None:
         return new_request_id(), False
     if not 0 < len(key) <= MAX_IDEMPOTENCY_KEY:
         message = f"{IDEMPOTENCY_KEY} must be 1 to {MAX_IDEMPOTENCY_KEY} characters"
         raise APIError(400, message, code="invalid_request", param=IDEMPOTENCY_KEY)
-    return idempotent_request_id(api_key, key), True
+    return idempotent_request_id(api_key, key, route), True
 
 
 class RequestIdMiddleware:

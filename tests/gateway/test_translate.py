@@ -434,19 +434,20 @@ def test_bearer_keys() -> None:
     assert bearer_token("Bearer  k1 ") == "k1" and bearer_token("Basic k1") is None and bearer_token(None) is None
 
 
-def test_idempotency_keys_name_one_generation_per_api_key() -> None:
-    first = idempotent_request_id("key-a", "order-17")
-    assert first == idempotent_request_id("key-a", "order-17") and first.startswith("idem-")
-    others = {idempotent_request_id("key-b", "order-17"), idempotent_request_id(None, "order-17")}
-    others |= {idempotent_request_id("anonymous", "order-17"), idempotent_request_id("key-a", "order-18")}
-    assert first not in others and len(others) == 4
+def test_idempotency_keys_name_one_generation_per_api_key_and_endpoint() -> None:
+    first = idempotent_request_id("key-a", "order-17", CHAT)
+    assert first == idempotent_request_id("key-a", "order-17", CHAT) and first.startswith("idem-")
+    others = {idempotent_request_id("key-b", "order-17", CHAT), idempotent_request_id(None, "order-17", CHAT)}
+    others |= {idempotent_request_id("anonymous", "order-17", CHAT), idempotent_request_id("key-a", "order-18", CHAT)}
+    others |= {idempotent_request_id("key-a", "order-17", COMPLETIONS)}
+    assert first not in others and len(others) == 5
     assert is_valid_name(first) and "key-a" not in first and "order-17" not in first
-    assert request_id_for(Headers({"idempotency-key": "order-17"}), "key-a") == (first, True)
-    fresh, idempotent = request_id_for(Headers({}), "key-a")
-    assert not idempotent and is_valid_name(fresh) and fresh != request_id_for(Headers({}), "key-a")[0]
+    assert request_id_for(Headers({"idempotency-key": "order-17"}), "key-a", CHAT) == (first, True)
+    fresh, idempotent = request_id_for(Headers({}), "key-a", CHAT)
+    assert not idempotent and is_valid_name(fresh) and fresh != request_id_for(Headers({}), "key-a", CHAT)[0]
     for bad in ("", "x" * 256):
         with pytest.raises(APIError) as caught:
-            request_id_for(Headers({"idempotency-key": bad}), None)
+            request_id_for(Headers({"idempotency-key": bad}), None, CHAT)
         assert caught.value.status == 400 and caught.value.param == "Idempotency-Key"
 
 
