@@ -15,8 +15,10 @@ from typing import Any, Final
 import openai
 import pytest
 
+from client import AsyncJob, Cancelled
 from client.connection import open_async
 from gateway.batch_driver import END_ATTEMPTS
+from gateway.batch_lines import identity_of, lines
 from gateway.batch_store import ANONYMOUS, BatchStore, owner_of
 from gateway.batch_upload import split
 from gateway.errors import APIError
@@ -187,6 +189,28 @@ async def test_a_batch_past_its_window_expires_with_its_unfinished_lines_in_the_
     assert sorted(row["custom_id"] for row in output + errors) == sorted(f"r{i}" for i in range(30))
     assert {row["error"]["code"] for row in errors} <= {"batch_expired", "expired"}
     assert any(row["error"]["code"] == "batch_expired" for row in errors)
+
+
+async def test_a_batch_reaching_the_end_of_its_window_cancels_its_lines_in_flight(
+    gateway: Any, start_worker: Any
+) -> None:
+    await start_worker(step_s=0.05)  # a line takes 10 s: the first two are generating when the window ends
+    served = await gateway(batch_poll_s=0.05, batch_window=2)
+    model = await served.model()
+    sdk = served.sdk()
+    data = jsonl([line(f"r{i}", model=model, max_tokens=200) for i in range(4)])
+    batch = await submitted(sdk, data)
+
+    async def started() -> bool:
+        return (await sdk.batches.retrieve(batch.id)).status == "in_progress"
+
+    await wait_until(started, 60)
+    await served.state.batches.update(batch.id, lambda record: {"expires_at": 0})
+    assert (await ended(sdk, batch.id)).status == "expired"
+    first = next(lines(data, identity_of(batch.id)))
+    job = AsyncJob.attach(served.state.client, first.request_id, queue=await served.state.models.queue_of(model))
+    with pytest.raises(Cancelled):  # stopped on the worker, not left generating its 200 tokens
+        await job.result(timeout=30)
 
 
 async def test_a_batch_no_worker_validates_expires_at_the_end_of_its_window(gateway: Any) -> None:
