@@ -4,9 +4,9 @@ keeps is bounded and outlives any gateway.
 
 Keys (prefix `p`): a file's `{p:file:<id>}:meta`, `:data` and `:batches` (the batches whose input it is); a
 batch's `{p:batch:<id>}:meta`, `:out` and `:err` (hashes custom_id -> output line: `HSETNX` makes each line's
-answer written once); an owner's `{p:owner:<hash>}:files` and `:batches` (sorted sets by creation, in ms, which an
-id carries: a listing's cursor is a position, and stays one after its object is gone) and `:files:until`,
-`:batches:until` (the same ids by the epoch second their record expires: what prunes the index);
+answer written once); an owner's `{p:owner:<hash>}:files` and `:batches` (sorted sets by creation) and `:files:until`,
+`:batches:until` (the same ids by the epoch second their record expires or was deleted: an entry is pruned
+`CURSOR_S` later, so a listing's cursor is a position even once its object is gone);
 `{p:batches}:active`. Keys of one object share a hash tag and no command spans two objects, so every call is
 single-slot on a Redis Cluster.
 
@@ -28,6 +28,7 @@ Kind = Literal["files", "batches"]
 ANONYMOUS = "anonymous"  # the owner of everything while authentication is off
 ENDED = frozenset({"completed", "failed", "expired", "cancelled"})  # a batch's statuses it never leaves
 WINDOW_S = 24 * 3600  # the one completion window (`24h`, as OpenAI's): a batch's keys outlive it
+CURSOR_S = 3600  # an index entry outlives its object this long: a listing's cursor stays a position meanwhile
 # A lease's compare-and-extend and compare-and-delete (KEYS[1] the lease, ARGV[1] the holder's token, ARGV[2] ms):
 # one call each, so no other gateway's lease taken in between is extended or deleted.
 RENEW_LUA = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
@@ -35,21 +36,8 @@ RELEASE_LUA = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('
 
 
 def new_id(kind: Kind) -> str:
-    """An unguessable id in OpenAI's shape (`file-<hex>`, `batch_<hex>`): the creation ms (12 hex digits, so ids
-    sort by creation), then 128 random bits."""
-    tail = f"{int(time.time() * 1000):012x}{secrets.token_hex(16)}"
-    return f"file-{tail}" if kind == "files" else f"batch_{tail}"
-
-
-def created_ms(object_id: str) -> int | None:
-    """The creation ms a `new_id` carries (None for an id of another shape)."""
-    tail = object_id.removeprefix("file-").removeprefix("batch_")
-    if len(tail) != 44:
-        return None
-    try:
-        return int(tail[:12], 16)
-    except ValueError:
-        return None
+    """An unguessable id in OpenAI's shape (`file-<hex>`, `batch_<hex>`), 128 random bits."""
+    return f"file-{secrets.token_hex(16)}" if kind == "files" else f"batch_{secrets.token_hex(16)}"
 
 
 def owner_of(authorization: str | None, auth_on: bool) -> str:
@@ -160,8 +148,7 @@ class BatchStore:
             return False
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(*(self._key("file", file_id, part) for part in ("meta", "data", "batches")))
-        pipe.zrem(self._index(owner, "files"), file_id)
-        pipe.zrem(self._until(owner, "files"), file_id)
+        pipe.zadd(self._until(owner, "files"), {file_id: int(time.time())}, xx=True)  # its entry: pruned later
         await pipe.execute()
         return True
 
@@ -275,16 +262,14 @@ class BatchStore:
     async def listed(
         self, owner: str, kind: Kind, after: str | None, limit: int, keep: Callable[[dict[str, Any]], bool] = bool
     ) -> tuple[list[dict[str, Any]], bool]:
-        """`owner`'s files or batches that `keep` keeps, newest first, from the position after `after` (deleted or
-        expired since, too: the id carries its position); and whether more follow."""
+        """`owner`'s files or batches that `keep` keeps, newest first, from the position after `after` (one deleted or
+        expired since, too, up to `CURSOR_S` after: its entry is kept); and whether more follow."""
         index = self._index(owner, kind)
         position: float | None = None
         if after is not None:
-            position = created_ms(after)
-            if position is None:  # an id of another shape: its position is its index entry's
-                position = await self.redis.zscore(index, after)
-                if position is None:
-                    return [], False
+            position = await self.redis.zscore(index, after)
+            if position is None:  # never listed here, or gone long ago
+                return [], False
         found: list[dict[str, Any]] = []
         offset = 0
         while len(found) <= limit:
@@ -295,27 +280,27 @@ class BatchStore:
             offset += len(rows)
             ids = [raw.decode() for raw, score in rows if after is None or score < top or raw.decode() < after]
             for record in await self._records("file" if kind == "files" else "batch", owner, ids):
-                if record is not None and keep(record):  # None: gone, pruned from the index later
+                if record is not None and keep(record):  # None: gone, its entry pruned later
                     found.append(record)
         return found[:limit], len(found) > limit
 
     async def _list_as(self, owner: str, kind: Kind, object_id: str, until: int) -> None:
-        """Lists the object as `owner`'s until its record expires at epoch second `until`; prunes the index of the
-        records expired, and makes it last as long as its longest-lived record."""
+        """Lists the object as `owner`'s (at its first listing's time) until its record expires at epoch second
+        `until`; prunes the index of the entries `CURSOR_S` past their record, and makes it last as long as its
+        longest-lived entry."""
         index, expiry = self._index(owner, kind), self._until(owner, kind)
-        position = created_ms(object_id) or int(time.time() * 1000)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.zadd(index, {object_id: position})
+        pipe.zadd(index, {object_id: time.time()}, nx=True)  # a longer life does not move it
         pipe.zadd(expiry, {object_id: until}, gt=True)  # a record's life only grows
-        pipe.zrangebyscore(expiry, "-inf", f"({int(time.time())}")
+        pipe.zrangebyscore(expiry, "-inf", f"({int(time.time()) - CURSOR_S}")
         pipe.zrange(expiry, -1, -1, withscores=True)
         _, _, gone, (last,) = await pipe.execute()
         pipe = self.redis.pipeline(transaction=False)
         if gone:
             pipe.zrem(index, *gone)
             pipe.zrem(expiry, *gone)
-        pipe.expireat(index, int(last[1]))
-        pipe.expireat(expiry, int(last[1]))
+        pipe.expireat(index, int(last[1]) + CURSOR_S)
+        pipe.expireat(expiry, int(last[1]) + CURSOR_S)
         await pipe.execute()
 
     async def _records(self, kind: str, owner: str, object_ids: list[str]) -> list[dict[str, Any] | None]:
