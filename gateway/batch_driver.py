@@ -255,10 +255,8 @@ class BatchRun:
         files: dict[str, str] = {}
         if counted["_end_attempts"] > END_ATTEMPTS:  # writing the files failed each time (logged): given up
             self.driver.log.error("batch_files_abandoned", batch_id=self.batch_id)
-            final, errors = (
-                "failed",
-                [_error("finalize_failed", "The batch's output and error files could not be written.")],
-            )
+            final = "failed"
+            errors = [_error("finalize_failed", "The batch's output and error files could not be written.")]
         else:
             files, too_large = await self._write_files(record)
             if too_large:
