@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from client.openai_format import CHAT, COMPLETIONS
 from gateway.batch_http import answered, listing, not_found, owned, owner
 from gateway.batch_store import ENDED, WINDOW_S, new_id
-from gateway.completions import read_json
+from gateway.bodies import read_json
 from gateway.errors import APIError
 from gateway.state import Gateway
 

@@ -3,6 +3,9 @@ while it streams in, so an oversized body is never held whole. Shared by the JSO
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from starlette.requests import Request
 
 from gateway.errors import APIError
@@ -22,3 +25,14 @@ async def read_body(request: Request, limit: int, too_large: APIError | None = N
             raise refusal
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object, refusing more than `limit` bytes (413) before reading them all."""
+    try:
+        body = json.loads(await read_body(request, limit))
+    except ValueError:
+        raise APIError(400, "The body is not valid JSON.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "The body must be a JSON object.", code="invalid_json")
+    return body

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -36,7 +35,7 @@ from client.openai_format import (
 )
 from client.protocol import Usage
 from gateway.auth import bearer_token
-from gateway.bodies import read_body
+from gateway.bodies import read_json
 from gateway.chunks import ChunkMaker
 from gateway.errors import APIError, from_exception, once_submitted, unknown_model
 from gateway.metrics import CLIENT_CLOSED, label_model
@@ -153,17 +152,6 @@ def choice_ids(request_id: str, n: int) -> list[str]:
     """The request ids of a call's `n` choices: its own id for one, else `<id>-<index>`, derived, so a retry with
     the call's `Idempotency-Key` attaches to the same `n` generations."""
     return [request_id] if n == 1 else [f"{request_id}-{index}" for index in range(n)]
-
-
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The body as a JSON object, refusing more than `limit` bytes (413) before reading them all."""
-    try:
-        body = json.loads(await read_body(request, limit))
-    except ValueError:
-        raise APIError(400, "The body is not valid JSON.", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "The body must be a JSON object.", code="invalid_json")
-    return body
 
 
 def request_timeout(header: str | None, default_s: float) -> float:
