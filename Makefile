@@ -35,7 +35,7 @@ test: lint docs
 	$(BIN)/python -m pytest -m unit -n 2 -q
 	$(BIN)/python -m pytest -m "not unit"
 
-# The unit tier (no Redis, no model, no engine; markers set by tests/conftest.py) on both cores: 1.5 to 2.2 min.
+# The unit tier (no Redis, no model, no engine; markers set by tests/conftest.py) on both cores: about 3.5 min.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m unit -n 2 -q
 
