@@ -4,6 +4,7 @@ scripted engine, or `real_model=True` for a tiny random model), driven by the re
 from __future__ import annotations
 
 import asyncio
+import io
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +62,9 @@ async def gateway(redis_url: str) -> AsyncIterator[Callable[..., Any]]:
     async def start(**overrides: Any) -> Served:
         values: dict[str, Any] = {"redis_url": redis_url, "models_refresh_s": 0.0, **overrides}
         app = create_app(GatewaySettings(_env_file=None, **values))  # type: ignore[call-arg]
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        # Bounded like `llmq-gateway`'s (30 s there): a connection still open at the end cannot hold the stop.
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=5)
+        server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve())
         servers.append((server, task))
         await wait_until(lambda: server.started or task.done())
@@ -72,4 +75,10 @@ async def gateway(redis_url: str) -> AsyncIterator[Callable[..., Any]]:
     for server, _ in servers:
         server.should_exit = True
     for _, task in servers:
-        await asyncio.wait_for(task, 30)
+        try:
+            await asyncio.wait_for(asyncio.shield(task), 30)
+        except TimeoutError:  # say what still runs: the gateway's stop is what failed
+            stacks = io.StringIO()
+            for pending in asyncio.all_tasks():
+                pending.print_stack(limit=8, file=stacks)
+            raise AssertionError(f"a gateway did not stop within 30 s; tasks:\n{stacks.getvalue()}") from None
