@@ -260,8 +260,11 @@ def served(fleet: Fleet) -> Iterator[WorkerProcess]:
 
 
 def settled(worker: WorkerProcess, before: Scrape, finished: int) -> Scrape:
-    """The first scrape after `finished` more requests were observed (their per-request histograms) and the
-    engine is idle: what the operator reads once the requests are done."""
+    """The first scrape after `finished` more requests were observed (their per-request histograms), the engine
+    is idle, and the token counter reads as it did one scrape before: what the operator reads once the requests
+    are done. (A cancel takes a request out of the engine's books at once, while the step already running may
+    still count a token of it: the counter settles a step later.)"""
+    last: list[float] = []
 
     def done() -> Scrape | None:
         page = worker.scrape()
@@ -269,7 +272,9 @@ def settled(worker: WorkerProcess, before: Scrape, finished: int) -> Scrape:
             "llmq:request_generation_tokens_count"
         )
         idle = page.value("llmq:num_requests_running") == 0 and page.value("llmq:num_requests_waiting") == 0
-        return page if observed >= finished and idle else None
+        tokens = page.total("llmq:generation_tokens_total")
+        steady, last[:] = last == [tokens], [tokens]
+        return page if observed >= finished and idle and steady else None
 
     return wait_for(done, 60, f"{finished} finished requests")
 
