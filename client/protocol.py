@@ -41,6 +41,7 @@ __all__ = [
     "MAX_SEED",
     "MAX_TEMPERATURE",
     "MAX_TOKEN_ID",
+    "MAX_TOOLS",
     "MAX_TOP_K",
     "MAX_TOP_LOGPROBS",
     "MIN_SEED",
@@ -56,11 +57,14 @@ __all__ = [
     "ErrorEvent",
     "Event",
     "FinishReason",
+    "FunctionCall",
+    "FunctionSpec",
     "GenerateRequest",
     "JsonObjectFormat",
     "JsonSchemaFormat",
     "Lane",
     "LimitSettings",
+    "NamedToolChoice",
     "PromptEvent",
     "RegexFormat",
     "RequestLimits",
@@ -68,6 +72,9 @@ __all__ = [
     "SamplingParams",
     "Timings",
     "TokensEvent",
+    "Tool",
+    "ToolCall",
+    "ToolChoice",
     "Usage",
     "WorkerInfo",
     "decode_completion",
@@ -134,6 +141,8 @@ MAX_PENALTY = 2.0  # presence and frequency penalties, as OpenAI bounds them
 # Dividing logits by a smaller repetition penalty overflows float32 and poisons the whole batch's sampling.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 10.0
 MAX_SCHEMA_BYTES = 65536  # a response format's JSON schema or regex, serialized
+MAX_TOOLS = 128  # functions one request may offer (OpenAI's limit); all of them, serialized, in MAX_SCHEMA_BYTES
+TOOL_NAME_PATTERN = "^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's function names
 
 
 @dataclass(frozen=True)
@@ -163,6 +172,7 @@ BOUNDS: tuple[Bound, ...] = (
     Bound("params.presence_penalty", -MAX_PENALTY, MAX_PENALTY, "0 is off; tokens of the output"),
     Bound("params.frequency_penalty", -MAX_PENALTY, MAX_PENALTY, "0 is off; tokens of the output, by count"),
     Bound("params.response_format", 0, MAX_SCHEMA_BYTES, "bytes of its schema or regex, serialized"),
+    Bound("tools", 1, MAX_TOOLS, f"functions; at most {MAX_SCHEMA_BYTES} bytes serialized, all together"),
     Bound("input_ids[]", 0, MAX_TOKEN_ID, "and below the model's vocabulary size"),
     Bound("deadline", 0, MAX_EPOCH_MS, "epoch ms"),
     Bound("submitted", 0, MAX_EPOCH_MS, "epoch ms"),
@@ -275,6 +285,62 @@ class RegexFormat(_Wire):
 
 
 ResponseFormat = Annotated[JsonSchemaFormat | JsonObjectFormat | RegexFormat, Field(discriminator="type")]
+_ToolName = Annotated[str, Field(pattern=TOOL_NAME_PATTERN)]
+
+
+class FunctionSpec(_Wire):
+    """A function the model may call, in OpenAI's shape; `parameters` is the JSON schema of its arguments (absent:
+    any JSON object), which the arguments are generated under."""
+
+    name: _ToolName
+    description: _Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: Annotated[bool, Field(strict=True)] | None = None
+
+
+class Tool(_Wire):
+    """One of a request's `tools`: `{"type": "function", "function": {...}}`, as OpenAI's chat API takes it."""
+
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class FunctionName(_Wire):
+    name: _ToolName
+
+
+class NamedToolChoice(_Wire):
+    """`tool_choice` naming the one function the answer must call."""
+
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+def _tools_size(tools: list[Tool]) -> list[Tool]:
+    _schema_size([tool.model_dump(exclude_none=True) for tool in tools])
+    return tools
+
+
+def _choice_name(choice: ToolChoice) -> str:
+    return repr(choice) if isinstance(choice, str) else f"naming {choice.function.name!r}"
+
+
+class FunctionCall(_Wire):
+    """A call the model made: `arguments` is its JSON text, as generated (OpenAI's shape)."""
+
+    name: _ToolName
+    arguments: _Text
+
+
+class ToolCall(_Wire):
+    """An assistant message's call, sent back in a conversation that goes on after the tool answered."""
+
+    id: Annotated[_Text, Field(min_length=1, max_length=256)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class SamplingParams(_Wire):
@@ -300,6 +366,10 @@ class SamplingParams(_Wire):
     presence_penalty: Annotated[float, Field(strict=True, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)] = 0.0
     frequency_penalty: Annotated[float, Field(strict=True, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)] = 0.0
     response_format: ResponseFormat | None = None
+    # With the request's `tools`: whether the answer may (`auto`, the default), must (`required`, or the function
+    # named) or must not (`none`) call them; a call's arguments are generated under its function's schema.
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: Annotated[bool, Field(strict=True)] = True
 
     @model_validator(mode="after")
     def _consistent(self) -> SamplingParams:
@@ -312,13 +382,36 @@ class SamplingParams(_Wire):
                 "params.response_format",
                 "a response_format ends its output with EOS: ignore_eos cannot be combined with it",
             )
+        calls_tools = self.tool_choice is not None and self.tool_choice != "none"
+        if calls_tools and self.response_format is not None:
+            raise _FieldError("params.response_format", "a response_format cannot be combined with a tool_choice")
+        if calls_tools and self.ignore_eos:
+            raise _FieldError("params.tool_choice", "tool calls end their output with EOS: ignore_eos cannot be set")
         return self
 
 
 class ChatMessage(_Wire):
-    _hidden = frozenset({"content"})
+    """One message of a conversation. `content` may be absent only on an assistant message that made
+    `tool_calls`; a `tool` message answers the call named by `tool_call_id` (the chat template renders both)."""
+
+    _hidden = frozenset({"content", "tool_calls"})
     role: Annotated[_Text, Field(min_length=1)]
-    content: _Text
+    content: _Text | None = None
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1)] | None = None
+    tool_call_id: Annotated[_Text, Field(min_length=1, max_length=256)] | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required, except on an assistant message with tool_calls")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        return self
+
+    def size(self) -> int:
+        """UTF-8 bytes of what the message says (role, content, calls), the measure of `max_prompt_bytes`."""
+        calls = sum(len(c.function.name) + len(c.function.arguments.encode()) for c in self.tool_calls or ())
+        return len(self.role.encode()) + len((self.content or "").encode()) + calls
 
 
 @dataclass(frozen=True)
@@ -371,6 +464,9 @@ class GenerateRequest(_Wire):
     prompt: Annotated[_Text, Field(min_length=1)] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     input_ids: Annotated[list[_TokenId], Field(min_length=1)] | None = None
+    # Functions the model may call (`params.tool_choice` says whether it must): chat `messages` only, since the
+    # model's chat template renders them.
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS), AfterValidator(_tools_size)] | None = None
     params: SamplingParams = Field(default_factory=SamplingParams)
     deadline: _EpochMs | None = None
     result_ttl: Annotated[int, Field(strict=True, ge=1, le=MAX_RESULT_TTL_S)] = 3600  # s
@@ -383,13 +479,28 @@ class GenerateRequest(_Wire):
         given = [self.prompt is not None, self.messages is not None, self.input_ids is not None]
         if sum(given) != 1:
             raise ValueError("exactly one of prompt, messages, input_ids is required")
+        self._check_tools()
         return self
+
+    def _check_tools(self) -> None:
+        choice = self.params.tool_choice
+        if self.tools is None:
+            if choice is not None and choice != "none":
+                raise _FieldError("params.tool_choice", f"tool_choice {_choice_name(choice)} needs tools")
+            return
+        if self.messages is None:
+            raise _FieldError("tools", "tools need messages: the model's chat template renders them")
+        names = [tool.function.name for tool in self.tools]
+        if len(set(names)) != len(names):
+            raise _FieldError("tools", "function names must be unique")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise _FieldError("params.tool_choice", f"names {choice.function.name!r}, which is not one of the tools")
 
     def prompt_bytes(self) -> int:
         """UTF-8 size of the text input (0 for `input_ids`), the measure of `max_prompt_bytes`."""
         if self.prompt is not None:
             return len(self.prompt.encode())
-        return sum(len(m.role.encode()) + len(m.content.encode()) for m in self.messages or ())
+        return sum(message.size() for message in self.messages or ())
 
     def estimated_tokens(self) -> int:
         """Prompt + `max_new_tokens`, for backlog estimates where no tokenizer is at hand: a text prompt counts
@@ -431,6 +542,9 @@ class TokensEvent(_Wire):
     text: str
     # With `params.logprobs`, per token of `ids`: [log-probability, text, [[alternative id, log-probability, text]]].
     logprobs: list[tuple[float, str, list[tuple[_Count, float, str]]]] | None = None
+    # On a request with tools: the syntax its model writes calls in (`client.tool_calls.SYNTAXES`), which readers
+    # parse `text` with into content and calls; `text` itself is the output as generated, markup included.
+    tool_syntax: Annotated[str, Field(max_length=64)] | None = None
 
 
 class PromptEvent(_Wire):
