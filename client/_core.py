@@ -49,6 +49,7 @@ from client.protocol import (
 )
 from client.scripts import ScriptCall, Submit, SubmitOutcome
 from client.store import Keys, Scripts, partition_of
+from client.tool_calls import SYNTAXES, ToolCall, ToolCallDelta, ToolCallParser
 
 log = logging.getLogger("llmq.client")
 # A library logs, the application decides where to: without this, logging's last resort printed the retry warnings
@@ -122,7 +123,9 @@ class Delta:
     """New output: `seq` is the index of its first token in the whole output; `logprobs` (one per token) when
     the request asked for them. A request with `prompt_logprobs` first gets one delta without tokens that
     carries its prompt's ids, texts and scores (as `Result.prompt_token_ids`, `prompt_tokens` and
-    `prompt_logprobs`)."""
+    `prompt_logprobs`). With tools, `text` is the answer's content and `tool_calls` the calls' new output (a
+    call's first delta names it, later ones add to its arguments); content held back while it might have opened
+    a call comes, if it did not, in a last delta without tokens."""
 
     text: str
     token_ids: list[int]
@@ -131,10 +134,14 @@ class Delta:
     prompt_token_ids: list[int] | None = None
     prompt_tokens: list[str] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 @dataclass(frozen=True)
 class Result:
+    """A request's output. `text` is what the model answered; with tools, its content without the calls, which
+    are `tool_calls` (None for a request without tools, or with `tool_choice` `none`)."""
+
     request_id: str
     text: str
     token_ids: list[int]
@@ -147,6 +154,7 @@ class Result:
     prompt_token_ids: list[int] | None = None
     prompt_tokens: list[str] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    tool_calls: list[ToolCall] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-able fields (for `llmq submit --json`)."""
@@ -210,6 +218,8 @@ class ResultBuilder:
         self.done: DoneEvent | None = None
         self.error: ErrorEvent | None = None
         self.prompt: PromptEvent | None = None
+        self.tools: ToolCallParser | None = None  # from the first chunk that names a tool syntax
+        self._content: list[str] = []  # with tools: the text without the calls
 
     @property
     def finished(self) -> bool:
@@ -228,6 +238,10 @@ class ResultBuilder:
             return Delta(text="", token_ids=[], seq=len(self.token_ids), **self._prompt_fields())
         if isinstance(event, DoneEvent):
             self.done = event
+            held = self.tools.finish() if self.tools is not None else ""
+            if held:
+                self._content.append(held)
+                return Delta(text=held, token_ids=[], seq=len(self.token_ids))
         else:
             self.error = event
         return None
@@ -255,7 +269,19 @@ class ResultBuilder:
         self._text_len += len(text)
         self._bound_tokens.append(len(self.token_ids))
         self._bound_chars.append(self._text_len)
-        return Delta(text=text, token_ids=ids, seq=seen, logprobs=logprobs)
+        if event.tool_syntax is not None and len(self._texts) == 1:  # every chunk of a tool request names it
+            self.tools = self._parser(event.tool_syntax)
+        if self.tools is None:
+            return Delta(text=text, token_ids=ids, seq=seen, logprobs=logprobs)
+        content, calls = self.tools.feed(text)
+        self._content.append(content)
+        return Delta(text=content, token_ids=ids, seq=seen, logprobs=logprobs, tool_calls=calls)
+
+    def _parser(self, syntax: str) -> ToolCallParser | None:
+        if syntax not in SYNTAXES:  # a newer worker's: its text comes as it is, calls included
+            log.warning("request %s: unknown tool syntax %r, calls are left in the text", self.request_id, syntax)
+            return None
+        return ToolCallParser(SYNTAXES[syntax], self.request_id)
 
     def _unseen_text(self, event: TokensEvent, skip: int) -> str:
         """Text of a partly seen chunk beyond what we hold.
@@ -291,13 +317,14 @@ class ResultBuilder:
         assert self.done is not None, "outcome() before the terminal event"
         result = Result(
             request_id=self.request_id,
-            text=self.text,
+            text=self.text if self.tools is None else "".join(self._content),
             token_ids=list(self.token_ids),
             finish_reason=self.done.finish_reason,
             usage=self.done.usage,
             timings=self.done.timings,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             **self._prompt_fields(),
+            tool_calls=None if self.tools is None else self.tools.tool_calls(),
         )
         if raise_cancelled and result.finish_reason == "cancelled":
             raise Cancelled(result)
@@ -431,6 +458,7 @@ class BaseClient:
         deadline: float | timedelta | datetime | None,
         request_id: str | None,
         reply_to: str | None = None,
+        tools: list[Any] | None = None,
     ) -> GenerateRequest:
         """Validate locally (raising `InvalidRequest`, a ValueError) before anything touches Redis."""
         now = ms_now()
@@ -440,6 +468,7 @@ class BaseClient:
             "prompt": prompt,
             "messages": messages,
             "input_ids": input_ids,
+            "tools": tools,
             "params": {k: v for k, v in params.items() if v is not None},
             "deadline": deadline_ms(deadline, now),
             "result_ttl": self.result_ttl,

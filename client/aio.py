@@ -34,7 +34,7 @@ from client.failover import (
     retry_async,
     unavailable,
 )
-from client.protocol import DEFAULT_PREFIX, ChatMessage, Lane, RequestLimits
+from client.protocol import DEFAULT_PREFIX, ChatMessage, Lane, RequestLimits, Tool, ToolChoice
 from client.store import Keys, QueueStatus, Scripts, queue_cancel_commands, queue_status_commands, status_from_replies
 
 
@@ -153,7 +153,7 @@ class AsyncClient(BaseClient):
         self,
         prompt: str | None = None,
         *,
-        messages: list[ChatMessage | dict[str, str]] | None = None,
+        messages: list[ChatMessage | dict[str, Any]] | None = None,
         input_ids: list[int] | None = None,
         max_new_tokens: int | None = None,
         temperature: float | None = None,
@@ -169,6 +169,9 @@ class AsyncClient(BaseClient):
         presence_penalty: float | None = None,
         frequency_penalty: float | None = None,
         response_format: Mapping[str, Any] | None = None,
+        tools: list[Tool | dict[str, Any]] | None = None,
+        tool_choice: ToolChoice | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         queue: str | None = None,
         deadline: float | timedelta | datetime | None = None,
         request_id: str | None = None,
@@ -185,9 +188,14 @@ class AsyncClient(BaseClient):
         pipeline stage that reads completions with its own consumer group. `response_format` constrains the
         output: `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`, `{"type":
         "json_object"}` or `{"type": "regex", "regex": ...}`; `logprobs` adds each token's log-probability (and
-        `top_logprobs` alternatives) to the deltas and the result; `prompt_logprobs=k` scores the prompt (each
-        token's log-probability given those before it, and `k` alternatives: `Result.prompt_logprobs`, and a
-        first delta without tokens), and allows `max_new_tokens=0`, to score only. `priority` is the lane:
+        `top_logprobs` alternatives) to the deltas and the result; `tools` (OpenAI's function shape) are offered to
+        a chat request through the model's chat template, and `tool_choice` (`auto` by default with tools,
+        `none`, `required` or `{"type": "function", "function": {"name": ...}}`) says whether the answer may or
+        must call them: calls come back as `Result.tool_calls` (their arguments generated under each function's
+        schema) and streamed as `Delta.tool_calls`, `parallel_tool_calls=False` allows at most one;
+        `prompt_logprobs=k` scores the prompt (each token's log-probability given those before it, and `k`
+        alternatives: `Result.prompt_logprobs`, and a first delta without tokens), and allows `max_new_tokens=0`,
+        to score only. `priority` is the lane:
         `interactive` (served first, and may preempt lower lanes), `default` or `batch`. Raises `QueueFull`
         when the lane's backlog is at `max_queue_len`.
         """
@@ -200,6 +208,7 @@ class AsyncClient(BaseClient):
             deadline=deadline,
             request_id=request_id,
             reply_to=reply_to,
+            tools=tools,
             params={
                 "max_new_tokens": max_new_tokens,
                 "temperature": temperature,
@@ -215,6 +224,8 @@ class AsyncClient(BaseClient):
                 "presence_penalty": presence_penalty,
                 "frequency_penalty": frequency_penalty,
                 "response_format": response_format,
+                "tool_choice": tool_choice,
+                "parallel_tool_calls": parallel_tool_calls,
             },
         )
         keys = self.keys_for(queue, request.id)
