@@ -146,7 +146,15 @@ def output_line(
             failure = {"code": str(code), "message": str(error)}
         return json.dumps({**row, "response": None, "error": failure})
     body = completion_body(
-        line.url, request, model, int(time.time()), result.text, result.finish_reason, result.usage, result.logprobs
+        line.url,
+        request,
+        model,
+        int(time.time()),
+        result.text,
+        result.finish_reason,
+        result.usage,
+        result.logprobs,
+        tool_calls=result.tool_calls,
     )
     return json.dumps({**row, "response": {"status_code": 200, "request_id": request, "body": body}, "error": None})
 

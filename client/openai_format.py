@@ -1,13 +1,16 @@
 """OpenAI chat/completions bodies as `submit` arguments, and results as OpenAI response bodies: one translation,
 shared by `llmq batch` (`client/batch.py`) and the HTTP gateway (`gateway/`).
 
-Pure functions, no I/O. A field we cannot honour is refused by name (`FieldError`), never ignored: knobs the
-engine does not implement (`best_of > 1`, `logit_bias`, tools, ...) are accepted only at their no-op values,
-which some SDKs send by default; a few hints that change no answer (`prompt_cache_key`, `prompt_cache_options`,
-`prompt_cache_retention`, `safety_identifier`, `metadata`, a message's `name`) are accepted with any value of their
-type and dropped (docs/gateway.md lists what the popular SDKs send). `seed`, `logprobs`/`top_logprobs`,
-completions' `echo` (with the prompt's logprobs), the penalties and `response_format` (`text`, `json_object`,
-`json_schema`, and llmq's `regex`) are applied per request; `n` choices are `n` requests (`Translated.choice`).
+Pure functions, no I/O. A field we cannot honour is refused by name (`FieldError`), never ignored: knobs the engine
+does not implement (`best_of > 1`, `logit_bias`, the legacy `functions`, ...) are accepted only at their no-op
+values, which some SDKs send by default; a few hints that change no answer (`prompt_cache_key`,
+`prompt_cache_options`, `prompt_cache_retention`, `safety_identifier`, `metadata`, a message's `name`) are accepted
+with any value of their type and dropped (docs/gateway.md lists what the popular SDKs send). `seed`,
+`logprobs`/`top_logprobs`, completions' `echo` (with the prompt's logprobs), the penalties and `response_format`
+(`text`, `json_object`, `json_schema`, and llmq's `regex`) are applied per request; `n` choices are `n` requests
+(`Translated.choice`). Chat's `tools`, `tool_choice` and `parallel_tool_calls` go to the worker, whose model's chat
+template renders the tools and whose grammar makes the calls; calls come back as `message.tool_calls` with
+`finish_reason` `tool_calls`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from pydantic import ValidationError
 
 from client._core import TokenLogprob
 from client.errors import InvalidRequest
-from client.protocol import Lane, SamplingParams, Usage
+from client.protocol import Lane, SamplingParams, Tool, Usage
+from client.protocol import ToolCall as WireToolCall
+from client.tool_calls import ToolCall
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 # OpenAI's (and vLLM's) default for /v1/completions; chat has none, so the queue's default applies there.
@@ -28,10 +33,12 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # The most choices one call may ask for (`n`): each is a request of its own in the queue.
 MAX_N = 16
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
+# Tool calling: chat only, as OpenAI has it (completions have no messages for a template to render tools in).
+_CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
 
 _PASSED = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _SUPPORTED = {"model", "max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs", "response_format"}
-_SUPPORTED |= {"user", "stream", "stream_options", "service_tier", "echo", "n", *_PASSED}
+_SUPPORTED |= {"user", "stream", "stream_options", "service_tier", "echo", "n", *_CHAT_ONLY, *_PASSED}
 # Hints for OpenAI's own cache, abuse detection and stored completions: accepted with any value of their type and
 # dropped, since none changes the answer (llmq stores nothing and caches prefixes by itself).
 _IGNORED: dict[str, type] = {"prompt_cache_key": str, "prompt_cache_retention": str, "prompt_cache_options": dict}
@@ -40,21 +47,18 @@ _IGNORED |= {"safety_identifier": str, "metadata": dict}
 _NO_OP: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "logit_bias": ({},),
-    "tools": ([],),
-    "functions": ([],),
-    "tool_choice": ("none",),
+    "functions": ([],),  # the legacy form of `tools`
     "function_call": ("none",),
-    "parallel_tool_calls": (True, False),  # without tools there is nothing to call in parallel
     "suffix": ("",),
     "store": (False,),
     "modalities": (["text"],),
 }
-_MESSAGE_KEYS = {"role", "content"}
+_MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id"}
 _MESSAGE_IGNORED = {"name"}  # a participant's name: chat templates show role and content only (as vLLM does)
 _STREAM_OPTIONS = {"include_usage", "include_obfuscation"}  # obfuscation pads chunks against side channels: no-op
 # OpenAI's newer name for the system role; chat templates know "system".
 _ROLES = {"developer": "system"}
-_OPENAI_ROLES = ("system", "developer", "user", "assistant")  # "tool" and "function" need tools, which llmq lacks
+_OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool")  # not the legacy "function": use tools
 # `service_tier` -> llmq lane (`submit(priority=...)`).
 TIERS: dict[str, Lane] = {"auto": "default", "default": "default", "priority": "interactive", "flex": "batch"}
 
@@ -122,6 +126,7 @@ def translate(body: dict[str, Any], url: str, *, echo_allowed: bool = False, n_a
     if body.get("service_tier") is not None:  # else the caller's default lane (`llmq batch`: batch)
         out.options["priority"] = out.lane
     params = _params(body, url)
+    out.options |= _tools(body, url, params)
     out.echo = _echo(body, url, echo_allowed)
     # The prompt is scored only where the echo needs the worker: for `logprobs` (alternatives as it asks), for a
     # token-id prompt's texts, and for `max_tokens` 0 (a request that generates nothing must score). A string
@@ -150,6 +155,31 @@ def _refuse_unsupported(body: dict[str, Any], source: str) -> None:
             raise FieldError(name, "is not supported by llmq")
         if not any(type(value) is type(v) and value == v for v in _NO_OP[name]):
             raise FieldError(name, f"only {' or '.join(map(repr, _NO_OP[name]))} is supported, not {value!r}")
+
+
+def _tools(body: dict[str, Any], url: str, params: dict[str, Any]) -> dict[str, Any]:
+    """`tools` as `submit`'s (each checked against the wire's `Tool`, so an error names it), and `tool_choice` and
+    `parallel_tool_calls` into `params`. An empty `tools` is none, as some frameworks send it."""
+    if url != CHAT:
+        for name in _CHAT_ONLY:
+            if body.get(name) is not None:
+                raise FieldError(name, f"is supported on {CHAT} only")
+        return {}
+    if body.get("tool_choice") is not None:
+        params["tool_choice"] = body["tool_choice"]
+    if _optional(body, "parallel_tool_calls", bool) is not None:
+        params["parallel_tool_calls"] = body["parallel_tool_calls"]
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        return {}
+    if not isinstance(tools, list):
+        raise FieldError("tools", "must be an array of tools")
+    for index, tool in enumerate(tools):
+        try:
+            Tool.model_validate(tool)
+        except ValidationError as exc:
+            raise _located(f"tools[{index}]", exc) from None
+    return {"tools": tools}
 
 
 def _n(body: dict[str, Any], allowed: bool) -> int:
@@ -196,7 +226,7 @@ def _input(source: str, value: Any) -> dict[str, Any]:
     raise FieldError("prompt", "must be one string or one array of token ids (send one request per prompt)")
 
 
-def _message(index: int, message: Any) -> dict[str, str]:
+def _message(index: int, message: Any) -> dict[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise FieldError(where, "must be an object with role and content")
@@ -205,16 +235,57 @@ def _message(index: int, message: Any) -> dict[str, str]:
     for key in sorted(set(message) - _MESSAGE_KEYS - _MESSAGE_IGNORED):
         if message[key] is not None:
             raise FieldError(f"{where}.{key}", "is not supported by llmq")
-    role, content = message.get("role"), message.get("content")
+    role = message.get("role")
     if not isinstance(role, str) or role not in _OPENAI_ROLES:
-        raise FieldError(f"{where}.role", f"must be one of {', '.join(_OPENAI_ROLES)} (tools are not supported)")
+        raise FieldError(f"{where}.role", f"must be one of {', '.join(_OPENAI_ROLES)}")
+    out: dict[str, Any] = {"role": _ROLES.get(role, role)}
+    calls = message.get("tool_calls")
+    if calls is not None and calls != []:
+        out["tool_calls"] = _tool_calls(f"{where}.tool_calls", role, calls)
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise FieldError(f"{where}.tool_call_id", "a tool message needs the id of the call it answers")
+        out["tool_call_id"] = call_id
+    elif message.get("tool_call_id") is not None:
+        raise FieldError(f"{where}.tool_call_id", "only a tool message answers a call")
+    content = message.get("content")
+    if content is None and "tool_calls" in out:  # an assistant message that only called tools
+        return out
+    out["content"] = _content(f"{where}.content", content)
+    return out
+
+
+def _content(where: str, content: Any) -> str:
     if isinstance(content, list):  # content parts: text only
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise FieldError(f"{where}.content", "only text content parts are supported")
+            raise FieldError(where, "only text content parts are supported")
         content = "".join(part["text"] for part in content)
     if not isinstance(content, str):
-        raise FieldError(f"{where}.content", "must be a string or an array of text parts")
-    return {"role": _ROLES.get(role, role), "content": content}
+        raise FieldError(where, "must be a string or an array of text parts")
+    return content
+
+
+def _tool_calls(where: str, role: str, calls: Any) -> list[dict[str, Any]]:
+    """The calls an earlier answer made, as the conversation sends them back (`arguments`: their JSON text)."""
+    if role != "assistant":
+        raise FieldError(where, "only an assistant message carries tool_calls")
+    if not isinstance(calls, list):
+        raise FieldError(where, "must be an array of calls")
+    out = []
+    for index, call in enumerate(calls):
+        try:
+            out.append(WireToolCall.model_validate(call).model_dump())
+        except ValidationError as exc:
+            raise _located(f"{where}[{index}]", exc) from None
+    return out
+
+
+def _located(where: str, exc: ValidationError) -> FieldError:
+    """The first error of a wire model's validation, named by its path under `where` (`tools[0].function.name`)."""
+    error = exc.errors(include_url=False, include_input=False)[0]
+    path = "".join(f".{part}" if isinstance(part, str) else f"[{part}]" for part in error["loc"])
+    return FieldError(f"{where}{path}", error["msg"])
 
 
 def _params(body: dict[str, Any], url: str) -> dict[str, Any]:
@@ -403,10 +474,11 @@ def completion_body(
     usage: Usage,
     logprobs: list[TokenLogprob] | None = None,
     echo: Echo | None = None,
+    tool_calls: Sequence[ToolCall] | None = None,
 ) -> dict[str, Any]:
     """A whole answer of one choice as OpenAI's `chat.completion` or `text_completion` object (a completion's
     text after `echo`'s, when it asked for one)."""
-    choice = choice_body(url, 0, text, finish_reason, logprobs, echo)
+    choice = choice_body(url, 0, text, finish_reason, logprobs, echo, tool_calls)
     return choices_body(url, request_id, model, created, [choice], usage)
 
 
@@ -417,16 +489,31 @@ def choice_body(
     finish_reason: str,
     logprobs: list[TokenLogprob] | None = None,
     echo: Echo | None = None,
+    tool_calls: Sequence[ToolCall] | None = None,
 ) -> dict[str, Any]:
-    """One choice of a whole answer: chat's `message` or a completion's `text` (after `echo`'s)."""
+    """One choice of a whole answer: chat's `message` (with its `tool_calls`, its content null when it holds
+    nothing else, as OpenAI's) or a completion's `text` (after `echo`'s)."""
     choice: dict[str, Any] = {"index": index}
     if url == CHAT:
-        choice["message"] = {"role": "assistant", "content": text}
+        choice["message"] = {"role": "assistant", "content": text or (None if tool_calls else text)}
+        if tool_calls:
+            choice["message"]["tool_calls"] = [tool_call_body(call) for call in tool_calls]
     else:
         choice["text"] = (echo.text if echo is not None else "") + text
     choice["logprobs"] = logprobs_body(url, logprobs, text, echo=echo)
-    choice["finish_reason"] = FINISH_REASONS.get(finish_reason, "stop")
+    choice["finish_reason"] = finish_reason_of(finish_reason, called=bool(tool_calls))
     return choice
+
+
+def finish_reason_of(finish_reason: str, *, called: bool = False) -> str:
+    """OpenAI's `finish_reason` for llmq's: `tool_calls` for an answer that called tools and ended by itself (one
+    cut short stays `length`)."""
+    reason = FINISH_REASONS.get(finish_reason, "stop")
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def tool_call_body(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def choices_body(

@@ -367,7 +367,8 @@ class SamplingParams(_Wire):
     frequency_penalty: Annotated[float, Field(strict=True, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)] = 0.0
     response_format: ResponseFormat | None = None
     # With the request's `tools`: whether the answer may (`auto`, the default), must (`required`, or the function
-    # named) or must not (`none`) call them; a call's arguments are generated under its function's schema.
+    # named) or must not (`none`) call them; a call's arguments are generated under its function's schema, so a
+    # request that may call tools has no `response_format` and no `ignore_eos`.
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: Annotated[bool, Field(strict=True)] = True
 
@@ -382,11 +383,6 @@ class SamplingParams(_Wire):
                 "params.response_format",
                 "a response_format ends its output with EOS: ignore_eos cannot be combined with it",
             )
-        calls_tools = self.tool_choice is not None and self.tool_choice != "none"
-        if calls_tools and self.response_format is not None:
-            raise _FieldError("params.response_format", "a response_format cannot be combined with a tool_choice")
-        if calls_tools and self.ignore_eos:
-            raise _FieldError("params.tool_choice", "tool calls end their output with EOS: ignore_eos cannot be set")
         return self
 
 
@@ -495,6 +491,12 @@ class GenerateRequest(_Wire):
             raise _FieldError("tools", "function names must be unique")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise _FieldError("params.tool_choice", f"names {choice.function.name!r}, which is not one of the tools")
+        if choice == "none":
+            return
+        if self.params.response_format is not None:  # the calls' grammar is the output's format
+            raise _FieldError("params.response_format", "a response_format cannot be combined with tools to call")
+        if self.params.ignore_eos:
+            raise _FieldError("params.ignore_eos", "tool calls end their output with EOS: ignore_eos cannot be set")
 
     def prompt_bytes(self) -> int:
         """UTF-8 size of the text input (0 for `input_ids`), the measure of `max_prompt_bytes`."""

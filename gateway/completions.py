@@ -205,6 +205,7 @@ class Answer:
                 result.finish_reason,
                 result.logprobs,
                 echo_of(self.asked, result.prompt_logprobs, result.prompt_tokens),
+                result.tool_calls,
             )
             for index, result in enumerate(results)
         ]
@@ -238,8 +239,8 @@ class Answer:
                     if delta is None:  # this choice's stream has ended
                         result = await self.jobs[index].result()  # at once
                         usages.append(result.usage)
-                        yield event(chunks.finish(result.finish_reason, index))
-                    elif delta.text or delta.logprobs:
+                        yield event(chunks.finish(result.finish_reason, index, called=bool(result.tool_calls)))
+                    elif delta.text or delta.logprobs or delta.tool_calls:
                         yield event(chunks.text(delta, offset=offsets[index], index=index))
                         offsets[index] += len(delta.text)
             usage = total_usage(usages)

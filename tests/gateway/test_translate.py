@@ -48,6 +48,7 @@ from gateway.request_ids import idempotent_request_id, request_id_for
 from gateway.sse import event
 
 USER = [{"role": "user", "content": "hi"}]
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 
 
 def test_chat_body_becomes_submit_arguments() -> None:
@@ -153,7 +154,11 @@ def test_completions_prompt_forms_and_default_length() -> None:
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"logit_bias": {"5": 1}}, "logit_bias"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+        ({"tools": "get_weather"}, "tools"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"response_format": {"type": "xml"}}, "response_format"),
@@ -169,9 +174,13 @@ def test_completions_prompt_forms_and_default_length() -> None:
         ({"stream_options": {"include_usage": True, "x": 1}}, "stream_options"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
-        ({"messages": [{"role": "assistant", "content": None, "tool_calls": []}]}, "messages[0].tool_calls"),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": []}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]}, "messages[0].tool_calls"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]}, "messages[0].tool_calls[0].function"),
+        ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "messages[0].tool_call_id"),
+        ({"messages": [{"role": "function", "content": "42", "name": "f"}]}, "messages[0].role"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
-        ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id"),
         ({"messages": [{"role": 1, "content": "hi"}]}, "messages[0].role"),
     ],
 )
@@ -502,7 +511,6 @@ def test_fields_sdks_send_by_default_are_accepted(extra: dict[str, Any]) -> None
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         ({"modalities": ["text", "audio"]}, "modalities"),
-        ({"tool_choice": "auto"}, "tool_choice"),
         ({"store": True}, "store"),
         ({"prompt_cache_key": 5}, "prompt_cache_key"),
         ({"metadata": "x"}, "metadata"),
