@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
-from client import Delta
+from client import Delta, Result
+from client.batch import output_line, parse_line
 from client.errors import InvalidRequest
 from client.openai_format import CHAT, COMPLETIONS, FieldError, choice_body, openai_param, translate
-from client.protocol import GenerateRequest, parse_request
+from client.protocol import GenerateRequest, Timings, Usage, parse_request
 from client.tool_calls import ToolCall, ToolCallDelta
 from gateway.chunks import ChunkMaker
 
@@ -114,3 +116,15 @@ def test_streamed_calls_have_openais_delta_shape() -> None:
     assert chunks.finish("eos", called=True)["choices"][0]["finish_reason"] == "tool_calls"
     assert chunks.finish("eos")["choices"][0]["finish_reason"] == "stop"
     assert chunks.text(Delta(text="", token_ids=[3], seq=2))["choices"][0]["delta"] == {"content": ""}
+
+
+def test_a_batch_line_with_tools_submits_them_and_writes_the_calls_in_its_output() -> None:
+    body = {"model": "m", "messages": CONVERSATION[:1], "tools": [WEATHER], "tool_choice": "required"}
+    line = parse_line(1, json.dumps({"custom_id": "c1", "url": CHAT, "body": body}), "file")
+    assert line.problem is None and line.options["tools"] == [WEATHER] and line.options["tool_choice"] == "required"
+    calls = [ToolCall("call_a", "get_weather", '{"city": "Lima"}')]
+    usage = Usage(prompt_tokens=9, completion_tokens=5)
+    result = Result(line.request_id, "", [1, 2], "eos", usage, Timings(), tool_calls=calls)
+    message = json.loads(output_line(line, "m", result))["response"]["body"]["choices"][0]
+    assert message["finish_reason"] == "tool_calls"
+    assert message["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Lima"}'}
