@@ -110,6 +110,11 @@ class ToolCallParser:
         held, self._buffer = self._buffer, ""
         return held if self._state == "content" and (not self.calls or held.strip()) else ""
 
+    @property
+    def in_arguments(self) -> bool:
+        """Whether the output so far ends inside a call's arguments."""
+        return self._state == "arguments"
+
     def tool_calls(self) -> list[ToolCall]:
         return [ToolCall(call.id, call.name, "".join(call.arguments)) for call in self.calls]
 

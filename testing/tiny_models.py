@@ -21,6 +21,21 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+# Hermes-style tool calling, as Qwen2.5's template writes it: the tools as JSON in the system turn, calls as
+# `<tool_call>` tags, tool answers as `<tool_response>` in a user turn.
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>You may call functions. Tools:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    'Answer a call as <tool_call>\n{"name": <name>, "arguments": <args>}\n</tool_call>\n{% endif %}'
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}<|user|><tool_response>\n{{ m['content'] }}\n</tool_response>\n"
+    "{% elif m['role'] == 'assistant' and m.get('tool_calls') %}<|assistant|>{{ m.get('content') or '' }}"
+    "{% for call in m['tool_calls'] %}<tool_call>\n"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}\n</tool_call>'
+    "{% endfor %}\n"
+    "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. ",
     "Continuous batching lets short requests finish early. ",
@@ -30,7 +45,7 @@ CORPUS = [
 ]
 
 
-def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int = 512, chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -41,15 +56,17 @@ def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     )
     tokenizer.train_from_iterator(CORPUS * 20, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", bos_token="<bos>", pad_token="<pad>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     return fast
 
 
-def save_tiny_model(folder: Path, arch: str = "llama", *, max_positions: int = 1024, seed: int = 0) -> Path:
+def save_tiny_model(
+    folder: Path, arch: str = "llama", *, max_positions: int = 1024, seed: int = 0, chat_template: str = CHAT_TEMPLATE
+) -> Path:
     """A 2-layer random model (`llama`; `qwen2` with grouped-query attention and q/k/v biases; `mistral`, grouped,
-    full attention) saved with its tokenizer."""
+    full attention) saved with its tokenizer (and `chat_template`: `TOOL_CHAT_TEMPLATE` renders tools)."""
     torch.manual_seed(seed)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(chat_template=chat_template)
     common = {
         "vocab_size": len(tokenizer),
         "hidden_size": 64,

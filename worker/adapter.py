@@ -5,6 +5,7 @@ exceptions at its transport boundary). The engine knows nothing of the wire; the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from client.protocol import (
     ErrorCode,
@@ -15,6 +16,7 @@ from client.protocol import (
     PromptEvent,
     RegexFormat,
     ResponseFormat,
+    ToolChoice,
 )
 from worker.config import Settings
 from worker.engine import (
@@ -83,8 +85,11 @@ def engine_request(
     return EngineRequest(
         request_id=request.id,
         prompt=request.prompt,
-        messages=[m.model_dump() for m in request.messages] if request.messages is not None else None,
+        messages=[m.model_dump(exclude_none=True) for m in request.messages] if request.messages is not None else None,
         input_ids=request.input_ids,
+        tools=[tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools is not None else None,
+        tool_choice=_tool_choice(params.tool_choice),
+        parallel_tool_calls=params.parallel_tool_calls,
         params=GenerationParams(
             max_new_tokens=params.max_new_tokens,
             temperature=params.temperature,
@@ -104,6 +109,10 @@ def engine_request(
         suspect=suspect,
         urgent=urgent,
     )
+
+
+def _tool_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
+    return choice if choice is None or isinstance(choice, str) else choice.model_dump()
 
 
 def output_format(response_format: ResponseFormat | None) -> OutputFormat | None:

@@ -121,7 +121,9 @@ class Relay:
 
     def _publish_tokens(self, delta: OutputDelta) -> None:
         logprobs = None if delta.logprobs is None else [_wire_logprob(lp) for lp in delta.logprobs]
-        event = TokensEvent(seq=self.tokens, ids=delta.token_ids, text=delta.text, logprobs=logprobs)
+        event = TokensEvent(
+            seq=self.tokens, ids=delta.token_ids, text=delta.text, logprobs=logprobs, tool_syntax=delta.tool_syntax
+        )
         self._publisher.tokens(self.target, event)
         self.tokens += len(delta.token_ids)
         if self.target.reply_to is not None:

@@ -12,6 +12,7 @@ not quite do, so the characters a grammar counts are the characters the caller d
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 import threading
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from client.tool_calls import ToolCallParser, ToolSyntax
 from worker.engine.errors import RequestRejected
 from worker.engine.types import OutputFormat
 from worker.engine.utf8 import COMPLETE, INVALID, Utf8Masks
@@ -55,15 +57,19 @@ class Grammars:
                 self._control_tokens = torch.tensor(ids, dtype=torch.long)
             return self._control_tokens
 
-    def matcher(self, output_format: OutputFormat) -> Any:
-        """A fresh matcher for one request; raises `RequestRejected` when the format does not compile, or when
-        this worker was installed without xgrammar (the `constraints` extra)."""
+    def matcher(self, output_format: OutputFormat, tool_syntax: ToolSyntax | None = None) -> Any:
+        """A fresh matcher for one request (a `ToolMatcher` for one that may call tools, in `tool_syntax`); raises
+        `RequestRejected` when the format does not compile, or when this worker was installed without xgrammar
+        (the `constraints` extra)."""
         try:
             import xgrammar
         except ImportError:
             raise RequestRejected("this worker cannot apply response formats: install llmq[constraints]") from None
-        compiled = self._compile(output_format)
-        return TextMatcher(xgrammar.GrammarMatcher(compiled), self._utf8_masks())
+        grammar = xgrammar.GrammarMatcher(self._compile(output_format))
+        if tool_syntax is None:
+            return TextMatcher(grammar, self._utf8_masks())
+        control = self.control_tokens()
+        return ToolMatcher(grammar, self._utf8_masks(), tool_syntax, self._info.decoded_vocab, control)
 
     def _utf8_masks(self) -> Utf8Masks:
         with self._lock:
@@ -88,6 +94,8 @@ class Grammars:
                     compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
                 elif output_format.kind == "regex":
                     compiled = compiler.compile_regex(output_format.spec)
+                elif output_format.kind == "structural_tag":
+                    compiled = compiler.compile_structural_tag(output_format.spec)
                 else:
                     raise RequestRejected(f"unknown response format {output_format.kind!r}")
             except (RuntimeError, ValueError, TypeError) as error:
@@ -133,6 +141,35 @@ class TextMatcher:
         """Writes the allowed next tokens into `bitmask[row]` (xgrammar's layout)."""
         self._grammar.fill_next_token_bitmask(bitmask, row)
         self._masks.restrict(bitmask[row], self._state)
+
+
+class ToolMatcher(TextMatcher):
+    """A matcher for text and tool calls that also keeps raw control characters out of the calls' arguments, as
+    `Grammars.control_tokens` keeps them out of JSON formats (xgrammar's JSON strings accept them); outside the
+    arguments they stay possible: the calls' own markup holds newlines. It follows the output as readers will,
+    with `client.tool_calls`' parser."""
+
+    def __init__(
+        self, grammar: Any, masks: Utf8Masks, syntax: ToolSyntax, vocabulary: list[bytes], control: torch.Tensor
+    ) -> None:
+        super().__init__(grammar, masks)
+        self._parser = ToolCallParser(syntax, "")
+        self._text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._vocabulary = vocabulary
+        self._control = control
+
+    def accept_token(self, token: int) -> bool:
+        if not super().accept_token(token):
+            return False
+        self._parser.feed(self._text.decode(self._vocabulary[token] if token < len(self._vocabulary) else b""))
+        return True
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        super().fill_next_token_bitmask(bitmask, row)
+        if self._parser.in_arguments and self._control.numel():
+            words, bits = self._control // 32, (self._control % 32).to(torch.int32)
+            cleared = torch.zeros_like(bitmask[row]).index_put_((words,), 1 << bits, accumulate=True)
+            bitmask[row] &= ~cleared
 
 
 def hidden_tokens(tokenizer: Any) -> set[int]:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from client.tool_calls import ToolSyntax
 from worker.engine import library
 from worker.engine.constraints import Grammars
 from worker.engine.errors import EngineClosed, EngineError, EngineFailed, RequestRejected
@@ -32,6 +33,7 @@ from worker.engine.prompt_scores import PromptScores
 from worker.engine.rows import RowState
 from worker.engine.stats import StepCounters
 from worker.engine.stream import RequestStream
+from worker.engine.tools import template_syntax, tools_format
 from worker.engine.types import (
     EngineRequest,
     EngineStats,
@@ -77,6 +79,7 @@ class Engine:
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.counters = StepCounters()
         self._grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids)
+        self.tool_syntax = template_syntax(tokenizer)  # or why this model cannot be offered tools
         self._urgent: set[str] = set()  # library ids of urgent requests, whose prefill the scheduler takes first
         self._row_states: dict[str, RowState] = {}  # by library id: the requests the sampler treats apart
         self._prompt_scores: dict[str, PromptScores] = {}  # by library id: the prompts being scored
@@ -129,10 +132,11 @@ class Engine:
         """Validates and queues a request. Raises `RequestRejected` or `EngineClosed`; never fails other requests."""
         if self._closing or self._inputs is None:
             raise EngineClosed("the engine is not running")
+        request, syntax = self._with_tools(request)
         prepared = self._inputs.prepare(request)
         if self._find(prepared.request_id) is not None:
             raise RequestRejected(f"request {prepared.request_id!r} is already in this engine")
-        row_state = self._row_state(request) if request.params.per_row else None
+        row_state = self._row_state(request, syntax) if request.params.per_row else None
         if request.params.prompt_logprobs is not None and not self._per_row:
             raise RequestRejected("prompt logprobs need the fused sampler", param="params.prompt_logprobs")
         unread, carry_text = self._held_back(request.resume)
@@ -143,6 +147,7 @@ class Engine:
             carry_text=carry_text,
             library_id=f"{prepared.request_id}#{next(self._submissions)}",
         )
+        stream.tool_syntax = syntax.name if syntax is not None else None
         if row_state is not None:
             row_state.context = prepared.prompt_ids
             stream.row_state = self._row_states[stream.library_id] = row_state
@@ -159,7 +164,20 @@ class Engine:
         self._admit()
         return stream
 
-    def _row_state(self, request: EngineRequest) -> RowState:
+    def _with_tools(self, request: EngineRequest) -> tuple[EngineRequest, ToolSyntax | None]:
+        """A request offered tools, checked against this model's template; one that may call them (any choice
+        but "none") gets the calls' grammar as its output format, and the syntax its calls are written in."""
+        if request.tools is None:
+            return request, None
+        syntax = self.tool_syntax
+        if isinstance(syntax, str):
+            raise RequestRejected(syntax, param="tools")
+        if request.tool_choice == "none":
+            return request, None
+        output_format = tools_format(syntax, request.tools, request.tool_choice, request.parallel_tool_calls)
+        return replace(request, params=replace(request.params, output_format=output_format)), syntax
+
+    def _row_state(self, request: EngineRequest, syntax: ToolSyntax | None = None) -> RowState:
         """The sampler's state for a request with a seed, logprobs, penalties or a response format; on a resume
         it continues after the delivered tokens (seed position, penalties, grammar state)."""
         if not self._per_row:
@@ -169,9 +187,9 @@ class Engine:
         state = RowState(params, context=[], generated=delivered)
         if params.output_format is not None:
             try:
-                state.matcher = self._grammars.matcher(params.output_format)
+                state.matcher = self._grammars.matcher(params.output_format, syntax)
             except RequestRejected as error:  # the format does not compile, or this worker cannot apply one
-                raise RequestRejected(str(error), param="params.response_format") from error
+                raise RequestRejected(str(error), param="tools" if syntax else "params.response_format") from error
             if params.output_format.kind.startswith("json"):
                 state.forbidden = self._grammars.control_tokens()
             for token in delivered:
@@ -372,7 +390,16 @@ class Engine:
             eos = not stream.request.params.ignore_eos and bool(tokens) and tokens[-1] in self.eos_token_ids
             reason = Finish.EOS if eos else Finish.LENGTH
         logprobs = self._token_logprobs(stream, new_tokens)
-        delta = OutputDelta(stream.request_id, list(new_tokens), text, reason, stream.prompt_tokens, logprobs, prompt)
+        delta = OutputDelta(
+            stream.request_id,
+            list(new_tokens),
+            text,
+            reason,
+            stream.prompt_tokens,
+            logprobs,
+            prompt,
+            stream.tool_syntax,
+        )
         stream.put(delta)
         if reason is not None:
             self._end(stream, reason)

@@ -19,6 +19,7 @@ from client.protocol import (
     MIN_SEED,
 )
 from worker.engine.errors import RequestRejected
+from worker.engine.tools import template_messages
 from worker.engine.types import EngineRequest, GenerationParams
 
 
@@ -75,7 +76,7 @@ class InputProcessor:
         if request.input_ids is not None:
             return self._check_ids(request.input_ids)
         if request.messages is not None:
-            return self._render_chat(request.messages)
+            return self._render_chat(request.messages, request.tools)
         if not isinstance(request.prompt, str):
             raise RequestRejected("prompt must be a string", param="prompt")
         if not request.prompt:
@@ -93,22 +94,26 @@ class InputProcessor:
             )
         return list(ids)
 
-    def _render_chat(self, messages: Any) -> list[int]:
+    def _render_chat(self, messages: Any, tools: list[dict[str, Any]] | None) -> list[int]:
         if not isinstance(messages, list) or not messages:
             raise RequestRejected("messages must be a non-empty list", param="messages")
         for message in messages:
             if (
                 not isinstance(message, dict)
                 or not isinstance(message.get("role"), str)
-                or not isinstance(message.get("content"), str)
+                or not isinstance(message.get("content"), str | None)
+                or (message.get("content") is None and not message.get("tool_calls"))
             ):
                 raise RequestRejected("each message needs a string role and a string content", param="messages")
         if not getattr(self._tokenizer, "chat_template", None):
             raise RequestRejected(
                 "this model has no chat template: send a prompt or input_ids instead", param="messages"
             )
+        rendered = template_messages(messages)
         try:
-            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self._tokenizer.apply_chat_template(
+                rendered, tools=tools, add_generation_prompt=True, tokenize=False
+            )
         except Exception as error:  # a template may raise anything (jinja): it is still the caller's input
             raise RequestRejected(f"the chat template rejected the messages: {error}", param="messages") from error
         return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -38,6 +38,7 @@ class RequestStream(AsyncIterator[OutputDelta]):
         self.tokens_seen = 0  # the library's outputs are cumulative: how many generated tokens we already took
         self.row_state: RowState | None = None  # the sampler's state, for a request with per-row features
         self.prompt_scores: PromptScores | None = None  # its prompt being scored, until its first output
+        self.tool_syntax: str | None = None  # the syntax of its calls, on a request that may call tools
         self.closed = False  # no more deltas will be put
         self._pending: OutputDelta | None = None
         self._error: EngineError | None = None

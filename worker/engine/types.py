@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from client.protocol import DEFAULT_MAX_NEW_TOKENS, GREEDY_BELOW_TEMPERATURE
 
@@ -33,8 +34,9 @@ class Step:
 
 @dataclass(frozen=True, slots=True)
 class OutputFormat:
-    """A constraint on the output: `kind` "json_schema" (`spec` is the schema, serialized), "json_object", or
-    "regex" (`spec` is the pattern)."""
+    """A constraint on the output: `kind` "json_schema" (`spec` is the schema, serialized), "json_object",
+    "regex" (`spec` is the pattern), or "structural_tag" (`spec`: xgrammar's structural tag, serialized: text and
+    tool calls, `worker.engine.tools`)."""
 
     kind: str
     spec: str = ""
@@ -108,13 +110,18 @@ class Resume:
 
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
-    """One generation request: exactly one of `prompt`, `messages` (chat) or `input_ids`."""
+    """One generation request: exactly one of `prompt`, `messages` (chat) or `input_ids`. `tools` (OpenAI's
+    function shape) are rendered by the chat template; unless `tool_choice` is "none", the output is generated
+    under the grammar of the calls (None means "auto"), at most one with `parallel_tool_calls` False."""
 
     request_id: str
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     input_ids: list[int] | None = None
     params: GenerationParams = field(default_factory=GenerationParams)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     resume: Resume | None = None
     # Implicated in an earlier engine failure: the engine runs at most one suspect at a time, next to any number
     # of other requests, so a failure with a suspect in it points at that suspect and at no other suspect.
@@ -141,6 +148,7 @@ class OutputDelta:
     prompt_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
     prompt: ScoredPrompt | None = None  # on a stream's first delta, when the request asked for prompt logprobs
+    tool_syntax: str | None = None  # on a request that may call tools: the syntax `text` writes calls in
 
     @property
     def finished(self) -> bool:
