@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -81,6 +82,13 @@ def dead_letter(request: protocol.GenerateRequest | None, reason: str = "test", 
     """A dead-letter entry's `m` field as `worker.intake.Intake.dead_letter` writes it."""
     body = raw if raw is not None else protocol.encode(request) if request is not None else b""
     return protocol.encode(protocol.DeadLetterBody(entry_id="1-0", reason=reason, raw=body))
+
+
+def default_sigint() -> None:
+    """A child's `preexec_fn` for Ctrl-C tests: SIGINT back to its default, so the child's Python raises
+    KeyboardInterrupt. A shell starts background jobs with SIGINT ignored, and a process that starts with it ignored
+    keeps it so (Python does too): a suite run in the background would otherwise send its Ctrl-Cs to nobody."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def env(**extra: str) -> dict[str, str]:

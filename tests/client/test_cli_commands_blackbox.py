@@ -26,7 +26,17 @@ import redis.asyncio as aioredis
 
 from client import protocol
 from testing.redis_topologies import RedisClusterSet, SentinelSet
-from tests.client.cli_support import LLMQ, PYTHON, ROOT, dead_letter, env, heartbeat, scripted_text, scripted_worker
+from tests.client.cli_support import (
+    LLMQ,
+    PYTHON,
+    ROOT,
+    dead_letter,
+    default_sigint,
+    env,
+    heartbeat,
+    scripted_text,
+    scripted_worker,
+)
 from worker.embedded_redis import RedisServer, free_port
 
 pytestmark = pytest.mark.redis
@@ -372,6 +382,7 @@ async def test_ctrl_c_while_streaming_cancels_the_request_then_exits_130(redis_u
         process = await asyncio.create_subprocess_exec(
             LLMQ, "--url", redis_url, "submit", "interrupt me", "--max-new-tokens", "240",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT, env=env(),
+            preexec_fn=default_sigint,
         )  # fmt: skip
         assert process.stderr is not None and process.stdout is not None
         request_id = (await asyncio.wait_for(process.stderr.readline(), GUARD_S)).decode().split()[-1]
@@ -397,6 +408,7 @@ async def test_ctrl_c_as_soon_as_the_id_is_printed_cancels_the_request(
     process = await asyncio.create_subprocess_exec(
         LLMQ, "--url", redis_url, "submit", "stop me",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT, env=env(),
+        preexec_fn=default_sigint,
     )  # fmt: skip
     assert process.stderr is not None
     first = (await asyncio.wait_for(process.stderr.readline(), GUARD_S)).decode()

@@ -47,5 +47,6 @@ def test_submit_takes_the_wire_models_sampling_fields_and_leaves_defaults_to_it(
     for name in SamplingParams.model_fields:
         assert name in parameters, name
         assert parameters[name].default is None, f"{name}: the default lives in the wire model"
-    others = {"self", "prompt", "messages", "input_ids", "tools", "queue", "deadline", "request_id", "reply_to", "priority"}
+    others = {"self", "prompt", "messages", "input_ids", "tools", "queue", "deadline", "request_id", "reply_to"}
+    others.add("priority")
     assert set(parameters) - set(SamplingParams.model_fields) == others

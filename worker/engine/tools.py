@@ -2,8 +2,8 @@
 a request's output text and calls in that syntax, each call's arguments under its function's schema.
 
 The grammar is xgrammar's structural tag for the model family (`ToolSyntax.grammar_key`), so `auto` allows text
-and calls, `required` one or more calls and nothing else, a named choice exactly one call of that function. The output stays text on
-the wire; readers split it with `client.tool_calls`, which names the same syntaxes.
+and calls, `required` one or more calls and nothing else, a named choice exactly one call of that function. The
+output stays text on the wire; readers split it with `client.tool_calls`, which names the same syntaxes.
 """
 
 from __future__ import annotations
