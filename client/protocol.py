@@ -588,6 +588,8 @@ class DoneEvent(_Wire):
     finish_reason: FinishReason
     usage: Usage
     timings: Timings = Field(default_factory=Timings)
+    # On a request that may call tools, as on its tokens events: so a `Completion`'s text can be parsed too.
+    tool_syntax: Annotated[str, Field(max_length=64)] | None = None
 
 
 class ErrorEvent(_Wire):

@@ -80,7 +80,8 @@ class Relay:
                     last_ms = now
                     self._publish_tokens(delta)
                 if delta.finish_reason is not None:
-                    self._finish(delta.finish_reason.value, stream.prompt_tokens, started_ms, first_ms)
+                    reason, syntax = delta.finish_reason.value, delta.tool_syntax
+                    self._finish(reason, stream.prompt_tokens, started_ms, first_ms, syntax)
         except EngineClosed:
             self._log.info("stopped by shutdown", request_id=self.request.id)
             self.trace.abandon("shutdown")
@@ -96,7 +97,9 @@ class Relay:
             self.trace.abandon("stopped")  # a no-op for an attempt that ended or stopped above
         return None
 
-    def _finish(self, reason: str, prompt_tokens: int, started_ms: int, first_ms: int | None) -> None:
+    def _finish(
+        self, reason: str, prompt_tokens: int, started_ms: int, first_ms: int | None, tool_syntax: str | None = None
+    ) -> None:
         """The engine finished the request: its `done` event, its per-request histograms, its publish span."""
         event = done_event(
             self.request,
@@ -107,6 +110,7 @@ class Relay:
             started_ms=started_ms,
             first_ms=first_ms,
         )
+        event.tool_syntax = tool_syntax
         finished_ms = ms_now()
         metrics = self._metrics
         metrics.e2e_latency.observe(max(0.0, (event.timings.total_ms or 0) / 1000))

@@ -11,9 +11,12 @@ from typing import Any
 
 import jsonschema
 import pytest
+from redis.asyncio import Redis
 
 from client import AsyncClient, Result
-from client.tool_calls import ToolCallDelta
+from client.protocol import decode_completion
+from client.store import Keys
+from client.tool_calls import SYNTAXES, ToolCallDelta, ToolCallParser
 from testing.fault_cluster import Cluster, wait_for_workers
 from testing.tiny_models import TOOL_CHAT_TEMPLATE, save_tiny_model
 
@@ -87,9 +90,18 @@ async def test_required_calls_hold_to_their_schema_and_stream_as_the_result_has_
             assert content == result.text
             assert assembled(deltas) == [(c.id, c.name, c.arguments) for c in result.tool_calls or []]
         named = {"type": "function", "function": {"name": "get_time"}}
-        single = await client.submit(messages=ASK, tools=TOOLS, tool_choice=named, parallel_tool_calls=False)
+        single = await client.submit(
+            messages=ASK, tools=TOOLS, tool_choice=named, parallel_tool_calls=False, reply_to="stage2"
+        )
         result = await single.result(60)
         assert [call.name for call in result.tool_calls or []] == ["get_time"]
+        async with Redis.from_url(cluster.url) as redis:  # a pipeline stage reading completions parses them alike
+            [(_, [(_, fields)])] = await redis.xread({Keys("default").reply("stage2"): "0"})
+        completion = decode_completion(fields[b"m"])
+        assert completion.done is not None and completion.done.tool_syntax is not None
+        parser = ToolCallParser(SYNTAXES[completion.done.tool_syntax], completion.id)
+        parser.feed(completion.text)
+        assert parser.tool_calls() == result.tool_calls
 
 
 async def test_a_call_resumed_after_its_worker_is_killed_is_the_call_an_uninterrupted_run_makes(
