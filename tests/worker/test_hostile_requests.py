@@ -54,6 +54,7 @@ README_BOUNDS = {
     "params.presence_penalty": (-2, 2),
     "params.frequency_penalty": (-2, 2),
     "params.response_format": (0, 65536),  # bytes of the schema or regex
+    "tools": (1, 128),  # functions on a chat request
     "input_ids[]": (0, 2147483647),
     "deadline": (0, 253402300799999),
     "submitted": (0, 253402300799999),
@@ -973,6 +974,10 @@ def test_raw_values_just_outside_each_bound_get_invalid_request(live: LiveWorker
         body = base_body()
         if bound_field.startswith("params."):
             body["params"][bound_field.removeprefix("params.")] = value
+        elif bound_field == "tools":
+            del body["input_ids"]
+            body["messages"] = [{"role": "user", "content": "hi"}]
+            body["tools"] = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(value)]
         elif bound_field == "input_ids[]":
             body["input_ids"] = [3, value]
         else:
