@@ -15,7 +15,7 @@ __version__ = "0.3.0"  # the distribution's one version (pyproject reads it); `l
 
 from client import protocol, store
 from client._core import Delta, Outcome, Result, TokenLogprob
-from client.aio import AsyncClient, AsyncJob
+from client.aio import AsyncChoices, AsyncClient, AsyncJob
 from client.errors import (
     Cancelled,
     ClientClosed,
@@ -33,12 +33,14 @@ from client.errors import (
 )
 from client.protocol import ErrorCode, error_from_event
 from client.store import QueueStatus
-from client.sync import Client, Job
+from client.sync import Choices, Client, Job
 
 __all__ = [
+    "AsyncChoices",
     "AsyncClient",
     "AsyncJob",
     "Cancelled",
+    "Choices",
     "Client",
     "ClientClosed",
     "Delta",

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -29,6 +29,7 @@ from client.protocol import (
     ENTRY_FIELD,
     LANES,
     MAX_EPOCH_MS,
+    MAX_N,
     MAX_RESULT_TTL_S,
     PROTOCOL_VERSION,
     DoneEvent,
@@ -40,12 +41,14 @@ from client.protocol import (
     Timings,
     TokensEvent,
     Usage,
+    choice_ids,
     decode_event,
     encode,
     error_from_event,
     is_valid_name,
     ms_now,
     parse_request,
+    total_usage,
 )
 from client.scripts import ScriptCall, Submit, SubmitOutcome
 from client.store import Keys, Scripts, partition_of
@@ -135,6 +138,7 @@ class Delta:
     prompt_tokens: list[str] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    index: int = 0  # which choice it belongs to, with `submit(n=...)`
 
 
 @dataclass(frozen=True)
@@ -155,10 +159,18 @@ class Result:
     prompt_tokens: list[str] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     tool_calls: list[ToolCall] | None = None
+    # With `submit(n=...)`: every choice's own result, in order (the fields above are the first's, but `request_id`,
+    # the call's, and `usage`, the prompt once and the completions of all, as OpenAI counts them).
+    choices: list[Result] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-able fields (for `llmq submit --json`)."""
         return {**asdict(self), "usage": self.usage.model_dump(), "timings": self.timings.model_dump()}
+
+
+def choices_result(request_id: str, results: list[Result]) -> Result:
+    """The `Result` of a call's `n` choices (`Result.choices`)."""
+    return replace(results[0], request_id=request_id, usage=total_usage([r.usage for r in results]), choices=results)
 
 
 @dataclass(frozen=True)
@@ -479,6 +491,24 @@ class BaseClient:
         request.check_limits(self.limits)
         return request
 
+    def build_choices(
+        self, n: int, prompt: str | None, *, request_id: str | None, **fields: Any
+    ) -> tuple[str, list[GenerateRequest]]:
+        """The call's id and `build_request` for each of its `n` choices: the request itself for one, else one
+        request per choice under `choice_ids`, choice `i` seeded `seed + i` (so sampled choices differ, yet each is
+        the answer of one call seeded so; unseeded, each samples on its own)."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+            raise InvalidRequest(f"n must be a whole number from 1 to {MAX_N}, not {n!r}", request_id)
+        base = uuid.uuid4().hex if request_id is None else request_id
+        params: dict[str, Any] = fields.pop("params")
+        seed = params.get("seed")
+        return base, [
+            self.build_request(
+                prompt, request_id=choice_id, params=params if seed is None else params | {"seed": seed + i}, **fields
+            )
+            for i, choice_id in enumerate(choice_ids(base, n))
+        ]
+
     @property
     def partition_limit(self) -> int:
         """A lane's backlog limit in each partition: its share of `max_queue_len` (0 = no limit)."""
@@ -534,3 +564,17 @@ class BaseJob:
         """Set once the `done` event has been read."""
         done = self._reader.builder.done
         return None if done is None else done.finish_reason
+
+
+class BaseChoices(BaseJob):
+    """State shared by `Choices` and `AsyncChoices`: the call's id and its choices' jobs."""
+
+    def __init__(self, client: BaseClient, request_id: str, keys: Keys, jobs: list[Any]) -> None:
+        super().__init__(client, request_id, keys)
+        self.jobs = jobs
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """The first choice's, once every choice has ended."""
+        reasons = [job.finish_reason for job in self.jobs]
+        return None if None in reasons else reasons[0]

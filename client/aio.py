@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import replace
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, Self
@@ -14,11 +16,13 @@ from redis.asyncio.retry import Retry as AsyncRetry
 
 from client._core import (
     DEFAULT_URL,
+    BaseChoices,
     BaseClient,
     BaseJob,
     Delta,
     Outcome,
     Result,
+    choices_result,
     pool_kwargs,
     queue_full_delays,
     submit_arguments_error,
@@ -34,7 +38,15 @@ from client.failover import (
     retry_async,
     unavailable,
 )
-from client.protocol import DEFAULT_PREFIX, ChatMessage, Lane, RequestLimits, Tool, ToolChoice
+from client.protocol import (
+    DEFAULT_PREFIX,
+    ChatMessage,
+    GenerateRequest,
+    Lane,
+    RequestLimits,
+    Tool,
+    ToolChoice,
+)
 from client.store import Keys, QueueStatus, Scripts, queue_cancel_commands, queue_status_commands, status_from_replies
 
 
@@ -172,6 +184,7 @@ class AsyncClient(BaseClient):
         tools: list[Tool | dict[str, Any]] | None = None,
         tool_choice: ToolChoice | dict[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
+        n: int = 1,
         queue: str | None = None,
         deadline: float | timedelta | datetime | None = None,
         request_id: str | None = None,
@@ -195,13 +208,17 @@ class AsyncClient(BaseClient):
         schema) and streamed as `Delta.tool_calls`, `parallel_tool_calls=False` allows at most one;
         `prompt_logprobs=k` scores the prompt (each token's log-probability given those before it, and `k`
         alternatives: `Result.prompt_logprobs`, and a first delta without tokens), and allows `max_new_tokens=0`,
-        to score only. `priority` is the lane:
+        to score only. `n` (1 to 16) asks for that many sampled answers: they are `n` requests, `<id>-0` to
+        `<id>-<n-1>`, choice `i` seeded `seed + i`, and the job returned is an `AsyncChoices` (`Result.choices`,
+        deltas with their `index`); a failure part way cancels the choices submitted, unless `request_id` was
+        given (then submitting again attaches to them and submits the rest). `priority` is the lane:
         `interactive` (served first, and may preempt lower lanes), `default` or `batch`. Raises `QueueFull`
         when the lane's backlog is at `max_queue_len`.
         """
         self.ensure_open()
         self.keys_for(queue)  # a bad queue name is refused first
-        request = self.build_request(
+        base, requests = self.build_choices(
+            n,
             prompt,
             messages=messages,
             input_ids=input_ids,
@@ -228,6 +245,21 @@ class AsyncClient(BaseClient):
                 "parallel_tool_calls": parallel_tool_calls,
             },
         )
+        jobs: list[AsyncJob] = []
+        try:
+            for request in requests:
+                jobs.append(await self._submit_request(request, queue, priority))
+        except BaseException:
+            if request_id is None:  # nobody can submit again into the choices submitted: stop them
+                for submitted in jobs:
+                    with contextlib.suppress(LLMQError):
+                        await submitted.cancel()
+            raise
+        if n == 1:
+            return jobs[0]
+        return AsyncChoices(self, base, self.keys_for(queue, base), jobs)
+
+    async def _submit_request(self, request: GenerateRequest, queue: str | None, priority: Lane) -> AsyncJob:
         keys = self.keys_for(queue, request.id)
         with self.submitting(request, keys, priority) as call:
             added = await self._retry(
@@ -374,6 +406,59 @@ class AsyncJob(BaseJob):
             pipe, self.keys, self.id, self._client.result_ttl, sharded=is_cluster(self._client._redis)
         )
         await pipe.execute()
+
+
+class AsyncChoices(BaseChoices, AsyncJob):
+    """`submit(n=...)`'s job: `n` sampled answers to one prompt, each a request of its own (`jobs`, ids `<id>-<i>`).
+    Its stream interleaves theirs, each delta with its choice's `index`; its result holds them all
+    (`Result.choices`). One choice failing stops the others."""
+
+    jobs: list[AsyncJob]
+
+    async def stream(self, timeout: float | None = None) -> AsyncIterator[Delta]:  # noqa: ASYNC109
+        """Every choice's new output as it arrives (`Delta.index`), until all have ended; a choice's error stops
+        the others and is raised."""
+        arrivals: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
+
+        async def follow(index: int, job: AsyncJob) -> None:
+            try:
+                async for delta in job.stream(timeout):
+                    arrivals.put_nowait((index, delta))
+                arrivals.put_nowait((index, None))
+            except Exception as error:  # handed to the stream's reader, which raises it
+                arrivals.put_nowait((index, error))
+
+        tasks = [asyncio.create_task(follow(index, job)) for index, job in enumerate(self.jobs)]
+        try:
+            following = len(tasks)
+            while following:
+                index, item = await arrivals.get()
+                if item is None:
+                    following -= 1
+                elif isinstance(item, BaseException):
+                    await self._stop_others(index)
+                    raise item
+                else:
+                    yield replace(item, index=index)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def result(self, timeout: float | None = None) -> Result:  # noqa: ASYNC109
+        """Every choice's output (`Result.choices`); raises `Cancelled` if one was cancelled."""
+        async for _ in self.stream(timeout):
+            pass
+        return choices_result(self.id, [await job.result() for job in self.jobs])
+
+    async def cancel(self) -> None:
+        for job in self.jobs:
+            await job.cancel()
+
+    async def _stop_others(self, failed: int) -> None:
+        for index, job in enumerate(self.jobs):
+            if index != failed and job.finish_reason is None:
+                with contextlib.suppress(LLMQError):
+                    await job.cancel()
 
 
 class Inbox:

@@ -23,15 +23,13 @@ from pydantic import ValidationError
 
 from client._core import TokenLogprob
 from client.errors import InvalidRequest
-from client.protocol import Lane, SamplingParams, Tool, Usage
+from client.protocol import MAX_N, Lane, SamplingParams, Tool, Usage
 from client.protocol import ToolCall as WireToolCall
 from client.tool_calls import ToolCall
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 # OpenAI's (and vLLM's) default for /v1/completions; chat has none, so the queue's default applies there.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-# The most choices one call may ask for (`n`): each is a request of its own in the queue.
-MAX_N = 16
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
 # Tool calling: chat only, as OpenAI has it (completions have no messages for a template to render tools in).
 _CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
@@ -83,14 +81,8 @@ class Translated:
     lane: Lane = "default"
     max_tokens_field: str = "max_tokens"  # the field that carried the token budget, for errors that name it
     echo: bool = False  # completions' `echo: true`: the answer starts with the prompt (`echo_of`)
-    n: int = 1  # how many choices: one request each (`choice`)
+    n: int = 1  # how many choices: `submit(n=...)`, one request each
 
-    def choice(self, index: int) -> dict[str, Any]:
-        """`options` for choice `index` of `n`: with a `seed`, its own (`seed + index`), so sampled choices differ
-        yet each is the answer of one call seeded so; unseeded, each request samples on its own."""
-        if "seed" not in self.options:
-            return self.options
-        return self.options | {"seed": self.options["seed"] + index}
 
 
 def lane_for(service_tier: object) -> Lane:
@@ -107,7 +99,7 @@ def translate(body: dict[str, Any], url: str, *, echo_allowed: bool = False, n_a
     naming the first field it cannot honour. Sampling values are checked against `BOUNDS` here too, so the
     error names the OpenAI field (`max_tokens`, not `params.max_new_tokens`). `echo: true` is refused unless
     `echo_allowed` (a caller that answers with `echo_of`: the gateway, not yet `llmq batch`), `n` above 1 unless
-    `n_allowed` (a caller that submits `n` requests: the gateway)."""
+    `n_allowed` (a caller that answers with every choice: the gateway and the batches)."""
     source = "messages" if url == CHAT else "prompt"
     _refuse_unsupported(body, source)
     if body.get(source) is None:
@@ -358,14 +350,6 @@ def openai_param(wire: str, url: str, max_tokens_field: str = "max_tokens") -> s
     return name
 
 
-def total_usage(usages: Sequence[Usage]) -> Usage:
-    """The usage of a call's `n` choices, as OpenAI counts it: the prompt once (each choice's request read the
-    same one), the completion tokens of all."""
-    return Usage(
-        prompt_tokens=usages[0].prompt_tokens, completion_tokens=sum(usage.completion_tokens for usage in usages)
-    )
-
-
 def usage_body(usage: Usage) -> dict[str, int]:
     return {
         "prompt_tokens": usage.prompt_tokens,
@@ -462,24 +446,6 @@ def token_offsets(tokens: list[str], text: str) -> list[int]:
 
 def _token(text: str, logprob: float) -> dict[str, Any]:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-
-def completion_body(
-    url: str,
-    request_id: str,
-    model: str,
-    created: int,
-    text: str,
-    finish_reason: str,
-    usage: Usage,
-    logprobs: list[TokenLogprob] | None = None,
-    echo: Echo | None = None,
-    tool_calls: Sequence[ToolCall] | None = None,
-) -> dict[str, Any]:
-    """A whole answer of one choice as OpenAI's `chat.completion` or `text_completion` object (a completion's
-    text after `echo`'s, when it asked for one)."""
-    choice = choice_body(url, 0, text, finish_reason, logprobs, echo, tool_calls)
-    return choices_body(url, request_id, model, created, [choice], usage)
 
 
 def choice_body(

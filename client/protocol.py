@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
@@ -36,6 +36,7 @@ __all__ = [
     "GREEDY_BELOW_TEMPERATURE",
     "LANES",
     "MAX_EPOCH_MS",
+    "MAX_N",
     "MAX_NEW_TOKENS",
     "MAX_RESULT_TTL_S",
     "MAX_SEED",
@@ -143,6 +144,7 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 10.0
 MAX_SCHEMA_BYTES = 65536  # a response format's JSON schema or regex, serialized
 MAX_TOOLS = 128  # functions one request may offer (OpenAI's limit); all of them, serialized, in MAX_SCHEMA_BYTES
 TOOL_NAME_PATTERN = "^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's function names
+MAX_N = 16  # choices of one call (`submit(n=...)`, OpenAI's `n`): each is a request of its own in the queue
 
 
 @dataclass(frozen=True)
@@ -574,6 +576,14 @@ class Usage(_Wire):
     completion_tokens: _Count
 
 
+def total_usage(usages: Sequence[Usage]) -> Usage:
+    """The usage of a call's `n` choices, as OpenAI counts it: the prompt once (each choice's request read the
+    same one), the completion tokens of all."""
+    return Usage(
+        prompt_tokens=usages[0].prompt_tokens, completion_tokens=sum(usage.completion_tokens for usage in usages)
+    )
+
+
 class Timings(_Wire):
     """Milliseconds; may be negative under clock skew between client and worker hosts."""
 
@@ -692,6 +702,12 @@ def _summarize(exc: ValidationError, shown: int = 3) -> str:
     ]
     more = f" (+{len(errors) - shown} more)" if len(errors) > shown else ""
     return ("; ".join(parts) + more)[:500]
+
+
+def choice_ids(request_id: str, n: int) -> list[str]:
+    """The request ids of a call's `n` choices: its own id for one, else `<id>-<index>`, derived, so a retry of the
+    call under the same id attaches to the same `n` generations."""
+    return [request_id] if n == 1 else [f"{request_id}-{index}" for index in range(n)]
 
 
 def is_valid_name(name: object) -> bool:

@@ -5,11 +5,13 @@ Thread-safe as redis-py's client is: one `Client` may serve many threads.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import replace
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, Self
@@ -21,11 +23,13 @@ from redis.typing import KeyT, StreamIdT
 
 from client._core import (
     DEFAULT_URL,
+    BaseChoices,
     BaseClient,
     BaseJob,
     Delta,
     Outcome,
     Result,
+    choices_result,
     pool_kwargs,
     queue_full_delays,
     submit_arguments_error,
@@ -34,7 +38,15 @@ from client._mux import ENTRIES_PER_STREAM, WAKE_DELAY_S, Follower, MuxCore, is_
 from client.connection import check_sync, is_cluster, open_sync
 from client.errors import ClientClosed, LLMQError, QueueFull
 from client.failover import FAILOVER_TIMEOUT_S, REDIS_FAILURES, refused, retry_sync, unavailable
-from client.protocol import DEFAULT_PREFIX, ChatMessage, Lane, RequestLimits, Tool, ToolChoice
+from client.protocol import (
+    DEFAULT_PREFIX,
+    ChatMessage,
+    GenerateRequest,
+    Lane,
+    RequestLimits,
+    Tool,
+    ToolChoice,
+)
 from client.store import Keys, QueueStatus, queue_cancel_commands, queue_status_commands, status_from_replies
 
 
@@ -148,6 +160,7 @@ class Client(BaseClient):
         tools: list[Tool | dict[str, Any]] | None = None,
         tool_choice: ToolChoice | dict[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
+        n: int = 1,
         queue: str | None = None,
         deadline: float | timedelta | datetime | None = None,
         request_id: str | None = None,
@@ -171,13 +184,17 @@ class Client(BaseClient):
         schema) and streamed as `Delta.tool_calls`, `parallel_tool_calls=False` allows at most one;
         `prompt_logprobs=k` scores the prompt (each token's log-probability given those before it, and `k`
         alternatives: `Result.prompt_logprobs`, and a first delta without tokens), and allows `max_new_tokens=0`,
-        to score only. `priority` is the lane:
+        to score only. `n` (1 to 16) asks for that many sampled answers: they are `n` requests, `<id>-0` to
+        `<id>-<n-1>`, choice `i` seeded `seed + i`, and the job returned is a `Choices` (`Result.choices`,
+        deltas with their `index`); a failure part way cancels the choices submitted, unless `request_id` was
+        given (then submitting again attaches to them and submits the rest). `priority` is the lane:
         `interactive` (served first, and may preempt lower lanes), `default` or `batch`. Raises `QueueFull`
         when the lane's backlog is at `max_queue_len`.
         """
         self.ensure_open()
         self.keys_for(queue)  # a bad queue name is refused first
-        request = self.build_request(
+        base, requests = self.build_choices(
+            n,
             prompt,
             messages=messages,
             input_ids=input_ids,
@@ -204,6 +221,21 @@ class Client(BaseClient):
                 "parallel_tool_calls": parallel_tool_calls,
             },
         )
+        jobs: list[Job] = []
+        try:
+            for request in requests:
+                jobs.append(self._submit_request(request, queue, priority))
+        except BaseException:
+            if request_id is None:  # nobody can submit again into the choices submitted: stop them
+                for submitted in jobs:
+                    with contextlib.suppress(LLMQError):
+                        submitted.cancel()
+            raise
+        if n == 1:
+            return jobs[0]
+        return Choices(self, base, self.keys_for(queue, base), jobs)
+
+    def _submit_request(self, request: GenerateRequest, queue: str | None, priority: Lane) -> Job:
         keys = self.keys_for(queue, request.id)
         with self.submitting(request, keys, priority) as call:
             added = self._retry(
@@ -336,6 +368,56 @@ class Job(BaseJob):
             pipe, self.keys, self.id, self._client.result_ttl, sharded=is_cluster(self._client._redis)
         )
         pipe.execute()
+
+
+class Choices(BaseChoices, Job):
+    """`submit(n=...)`'s job: `n` sampled answers to one prompt, each a request of its own (`jobs`, ids `<id>-<i>`).
+    Its stream interleaves theirs, each delta with its choice's `index`; its result holds them all
+    (`Result.choices`). One choice failing stops the others."""
+
+    jobs: list[Job]
+
+    def stream(self, timeout: float | None = None) -> Iterator[Delta]:
+        """Every choice's new output as it arrives (`Delta.index`), until all have ended; a choice's error stops
+        the others and is raised."""
+        arrivals: queue.Queue[tuple[int, Delta | BaseException | None]] = queue.Queue()
+
+        def follow(index: int, job: Job) -> None:
+            try:
+                for delta in job.stream(timeout):
+                    arrivals.put((index, delta))
+                arrivals.put((index, None))
+            except BaseException as error:  # handed to the caller's thread, which raises it
+                arrivals.put((index, error))
+
+        for index, job in enumerate(self.jobs):
+            threading.Thread(target=follow, args=(index, job), name=f"llmq-choice-{index}", daemon=True).start()
+        following = len(self.jobs)
+        while following:
+            index, item = arrivals.get()
+            if item is None:
+                following -= 1
+            elif isinstance(item, BaseException):
+                self._stop_others(index)
+                raise item
+            else:
+                yield replace(item, index=index)
+
+    def result(self, timeout: float | None = None) -> Result:
+        """Every choice's output (`Result.choices`); raises `Cancelled` if one was cancelled."""
+        for _ in self.stream(timeout):
+            pass
+        return choices_result(self.id, [job.result() for job in self.jobs])
+
+    def cancel(self) -> None:
+        for job in self.jobs:
+            job.cancel()
+
+    def _stop_others(self, failed: int) -> None:
+        for index, job in enumerate(self.jobs):
+            if index != failed and job.finish_reason is None:
+                with contextlib.suppress(LLMQError):
+                    job.cancel()
 
 
 class ResultMux:

@@ -21,7 +21,7 @@ from typing import TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from client import AsyncJob, Delta, LLMQError, RequestFailed, ResultTimeout
+from client import AsyncChoices, AsyncJob, Delta, LLMQError, RequestFailed, ResultTimeout
 from client.errors import Cancelled, RedisUnavailable
 from client.openai_format import (
     CHAT,
@@ -30,10 +30,9 @@ from client.openai_format import (
     choice_body,
     choices_body,
     echo_of,
-    total_usage,
     translate,
 )
-from client.protocol import Usage
+from client.protocol import Usage, choice_ids, total_usage
 from gateway.auth import bearer_token
 from gateway.bodies import read_json
 from gateway.chunks import ChunkMaker
@@ -121,13 +120,18 @@ async def _complete(gateway: Gateway, request: Request, call: Call, started: flo
         gateway, request_id, jobs, url, asked, started, timeout + EXPIRY_GRACE_S, idempotent=call.idempotent
     )
     try:
-        for index, choice_id in enumerate(choice_ids(request_id, asked.n)):
-            options = asked.choice(index)
-            jobs.append(await gateway.client.submit(**options, queue=queue, deadline=timeout, request_id=choice_id))
-            call.request_id = request_id  # a generation exists: errors from now on name the call
+        job = await gateway.client.submit(
+            **asked.options, n=asked.n, queue=queue, deadline=timeout, request_id=request_id
+        )
     except BaseException:  # a full queue, Redis away: a retry with its Idempotency-Key submits the rest
-        await answer.abandon()
+        if asked.n > 1:  # choices before the one refused may run: errors name the call, and stop them unless kept
+            call.request_id = request_id
+            choices = choice_ids(request_id, asked.n)
+            jobs.extend(AsyncJob.attach(gateway.client, choice, queue=queue) for choice in choices)
+            await answer.abandon()
         raise
+    jobs.extend(job.jobs if isinstance(job, AsyncChoices) else [job])
+    call.request_id = request_id  # a generation exists: errors from now on name the call
     try:
         if asked.stream:
             return await answer.stream(request)
@@ -146,12 +150,6 @@ async def _complete(gateway: Gateway, request: Request, call: Call, started: flo
     except BaseException:  # a timeout, the server stopping, a bug: leave nothing running
         await answer.cancel()
         raise
-
-
-def choice_ids(request_id: str, n: int) -> list[str]:
-    """The request ids of a call's `n` choices: its own id for one, else `<id>-<index>`, derived, so a retry with
-    the call's `Idempotency-Key` attaches to the same `n` generations."""
-    return [request_id] if n == 1 else [f"{request_id}-{index}" for index in range(n)]
 
 
 def request_timeout(header: str | None, default_s: float) -> float:

@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 
-from client import AsyncClient, AsyncJob, Client, Job
+from client import AsyncChoices, AsyncClient, AsyncJob, Choices, Client, Job
 from client.protocol import SamplingParams
 
 # Methods whose names differ by nature: the context-manager and close protocols.
@@ -32,7 +32,7 @@ def comparable(signature: inspect.Signature) -> list[tuple[str, object, object, 
     ]
 
 
-@pytest.mark.parametrize(("aio", "sync"), [(AsyncClient, Client), (AsyncJob, Job)])
+@pytest.mark.parametrize(("aio", "sync"), [(AsyncClient, Client), (AsyncJob, Job), (AsyncChoices, Choices)])
 def test_the_twins_expose_the_same_methods_with_the_same_parameters(aio: type, sync: type) -> None:
     async_methods, sync_methods = public_methods(aio), public_methods(sync)
     assert set(async_methods) == set(sync_methods)
@@ -48,5 +48,5 @@ def test_submit_takes_the_wire_models_sampling_fields_and_leaves_defaults_to_it(
         assert name in parameters, name
         assert parameters[name].default is None, f"{name}: the default lives in the wire model"
     others = {"self", "prompt", "messages", "input_ids", "tools", "queue", "deadline", "request_id", "reply_to"}
-    others.add("priority")
+    others |= {"priority", "n"}
     assert set(parameters) - set(SamplingParams.model_fields) == others

@@ -29,20 +29,18 @@ from client.openai_format import (
     FieldError,
     choice_body,
     choices_body,
-    completion_body,
     echo_of,
     lane_for,
     logprobs_body,
     openai_param,
     token_offsets,
-    total_usage,
     translate,
 )
-from client.protocol import Usage, is_valid_name
+from client.protocol import Usage, choice_ids, is_valid_name, total_usage
 from gateway.auth import authorized, bearer_token
 from gateway.bodies import read_body
 from gateway.chunks import ChunkMaker
-from gateway.completions import choice_ids, request_timeout
+from gateway.completions import request_timeout
 from gateway.errors import SHOULD_RETRY, APIError, from_exception, once_submitted
 from gateway.request_ids import idempotent_request_id, request_id_for
 from gateway.sse import event
@@ -190,13 +188,10 @@ def test_what_cannot_be_honoured_is_refused_by_name(body: dict[str, Any], field:
     assert caught.value.field == field and isinstance(caught.value, InvalidRequest)
 
 
-def test_n_choices_are_n_requests_each_with_its_own_seed() -> None:
+def test_n_is_read_apart_from_the_submit_options() -> None:
     asked = translate({"messages": USER, "n": 3, "seed": 7}, CHAT, n_allowed=True)
-    assert asked.n == 3
-    assert [asked.choice(i)["seed"] for i in range(3)] == [7, 8, 9]
-    assert asked.options["seed"] == 7  # the call's own options are left as they were
-    unseeded = translate({"prompt": "hi", "n": MAX_N}, COMPLETIONS, n_allowed=True)
-    assert unseeded.n == MAX_N and "seed" not in unseeded.choice(5)  # each samples on its own
+    assert asked.n == 3 and "n" not in asked.options and asked.options["seed"] == 7
+    assert translate({"prompt": "hi", "n": MAX_N}, COMPLETIONS, n_allowed=True).n == MAX_N
     assert translate({"messages": USER, "n": 1}, CHAT).n == 1  # the no-op value, accepted anywhere
 
 
@@ -239,9 +234,7 @@ def test_n_choices_answer_with_their_indexes_and_the_prompt_counted_once() -> No
         (1, "b", "stop"),
     ]
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
-    one = completion_body(COMPLETIONS, "id", "m", 1, "x", "length", Usage(prompt_tokens=1, completion_tokens=1))
-    assert one["choices"] == [choice_body(COMPLETIONS, 0, "x", "length")]
-    assert one["object"] == "text_completion"
+    assert choices_body(COMPLETIONS, "id", "m", 1, choices, usage)["object"] == "text_completion"
 
 
 def test_streamed_chunks_name_their_choice() -> None:
@@ -297,8 +290,7 @@ def test_an_echo_comes_before_the_generated_tokens_with_the_first_score_null() -
     asked = translate({"prompt": "The sky", "echo": True, "logprobs": 2}, COMPLETIONS, echo_allowed=True)
     echo = echo_of(asked, PROMPT_SCORES, ["The", " sky"])
     assert echo == Echo("The sky", ["The", " sky"], PROMPT_SCORES)
-    usage = Usage(prompt_tokens=2, completion_tokens=1)
-    choice = completion_body(COMPLETIONS, "r", "m", 0, " is", "length", usage, GENERATED, echo)["choices"][0]
+    choice = choice_body(COMPLETIONS, 0, " is", "length", GENERATED, echo)
     assert choice["text"] == "The sky is"
     assert choice["logprobs"] == {
         "tokens": ["The", " sky", " is"],
@@ -319,11 +311,8 @@ def test_an_echo_without_logprobs_is_text_alone_and_token_ids_echo_their_texts()
     asked = translate({"prompt": "The sky", "echo": True, "max_tokens": 0}, COMPLETIONS, echo_allowed=True)
     echo = echo_of(asked, PROMPT_SCORES, ["The", " sky"])
     assert echo == Echo("The sky")
-    body = completion_body(
-        COMPLETIONS, "r", "m", 0, "", "length", Usage(prompt_tokens=2, completion_tokens=0), echo=echo
-    )
-    assert body["choices"][0]["text"] == "The sky" and body["choices"][0]["logprobs"] is None
-    assert body["usage"]["completion_tokens"] == 0
+    choice = choice_body(COMPLETIONS, 0, "", "length", echo=echo)
+    assert choice["text"] == "The sky" and choice["logprobs"] is None
     ids = translate({"prompt": [1, 9], "echo": True, "logprobs": 0}, COMPLETIONS, echo_allowed=True)
     by_ids = echo_of(ids, PROMPT_SCORES, ["The", " sky"])
     assert by_ids is not None and by_ids.text == "The sky" and by_ids.tokens == ["The", " sky"]
