@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from client.errors import Cancelled, InvalidRequest, LLMQError, ResultTimeout
-from client.openai_format import CHAT, COMPLETIONS, FieldError, Translated, completion_body, translate
-from client.protocol import Lane
+from client.openai_format import CHAT, COMPLETIONS, FieldError, Translated, choice_body, choices_body, translate
+from client.protocol import Lane, choice_ids
 from client.sync import Client
 
 
@@ -47,6 +47,11 @@ class Line:
     repeats: int | None = None  # the earlier line whose custom_id this one repeats
     model: str | None = None  # the body's `model` (the HTTP Batch API picks the queue by it)
     body_problem: bool = False  # the problem is in the body's fields, not in the line's shape
+
+    @property
+    def request_ids(self) -> list[str]:
+        """The ids its answers are generated under: its own, or its `n` choices'."""
+        return choice_ids(self.request_id, self.options.get("n", 1))
 
     @property
     def by_number(self) -> bool:
@@ -98,6 +103,8 @@ def parse_line(number: int, text: str, identity: str) -> Line:
     else:
         translated, line.problem = _translated(body, line.url)
         line.options, line.model, line.body_problem = translated.options, translated.model, line.problem is not None
+        if translated.n > 1:
+            line.options["n"] = translated.n
     line.options["request_id"] = line.request_id
     return line
 
@@ -117,7 +124,7 @@ def parse_lines(texts: Iterable[str], identity: str) -> Iterator[Line]:
 
 def _translated(body: dict[str, Any], url: str) -> tuple[Translated, str | None]:
     try:
-        translated = translate(body, url)
+        translated = translate(body, url, n_allowed=True)
     except FieldError as error:
         return Translated(), str(error)
     if translated.stream:
@@ -145,17 +152,11 @@ def output_line(
             code = getattr(error, "code", fallback)
             failure = {"code": str(code), "message": str(error)}
         return json.dumps({**row, "response": None, "error": failure})
-    body = completion_body(
-        line.url,
-        request,
-        model,
-        int(time.time()),
-        result.text,
-        result.finish_reason,
-        result.usage,
-        result.logprobs,
-        tool_calls=result.tool_calls,
-    )
+    choices = [  # `n` choices (`Result.choices`), or the one
+        choice_body(line.url, index, choice.text, choice.finish_reason, choice.logprobs, tool_calls=choice.tool_calls)
+        for index, choice in enumerate(result.choices or [result])
+    ]
+    body = choices_body(line.url, request, model, int(time.time()), choices, result.usage)
     return json.dumps({**row, "response": {"status_code": 200, "request_id": request, "body": body}, "error": None})
 
 

@@ -220,8 +220,9 @@ class BatchRun:
             self.lines.cancel()
         if cancel:
             for line in list(self.in_flight.values()):
-                with contextlib.suppress(Exception):
-                    await AsyncJob.attach(self.driver.client, line.request_id, queue=self.queue).cancel()
+                for request_id in line.request_ids:
+                    with contextlib.suppress(Exception):
+                        await AsyncJob.attach(self.driver.client, request_id, queue=self.queue).cancel()
 
     async def _finish(self, data: bytes) -> None:
         record = await self.store.batch(None, self.batch_id)

@@ -17,6 +17,7 @@ from client import protocol, store
 from client.cli import main
 from client.cli.exits import Exit
 from tests.client.twins import KEYS, done, emit, tokens
+from tests.polling import wait_until
 from worker.embedded_redis import free_port
 
 pytestmark = pytest.mark.redis
@@ -273,3 +274,27 @@ async def test_batch_files_run_in_the_batch_lane_unless_a_line_names_a_tier(
     argv = ["batch", str(source), "-o", str(tmp_path / "out.jsonl"), "--url", redis_url, "--timeout", "0.5"]
     assert await asyncio.to_thread(main, argv) == Exit.FAILED  # no worker: both lines time out, and are error lines
     assert [await server.xlen(KEYS.lane(lane)) for lane in ("interactive", "default", "batch")] == [1, 0, 1]
+
+
+async def test_a_batch_line_with_n_answers_every_choice_in_one_output_line(
+    redis_url: str, server: aioredis.Redis, tmp_path: Path
+) -> None:
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2, "n": 2, "seed": 5}
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(json.dumps({"custom_id": "pair", "url": "/v1/completions", "body": body}) + "\n")
+    argv = ["batch", str(source), "-o", str(output), "--url", redis_url, "--timeout", "20"]
+    running = asyncio.create_task(asyncio.to_thread(main, argv))
+
+    async def both_submitted() -> bool:
+        return await server.xlen(KEYS.lane("batch")) == 2
+
+    await wait_until(both_submitted, within_s=20)
+    requests = [protocol.decode_request(f[protocol.ENTRY_FIELD]) for _, f in await server.xrange(KEYS.lane("batch"))]
+    assert [request.params.seed for request in requests] == [5, 6]  # each choice seeded apart
+    for index, request in enumerate(requests):  # the test plays the worker
+        await emit(server, request.id, tokens(0, [index + 1], f"c{index}"), done("eos", 1))
+    assert await running == Exit.OK
+    [row] = [json.loads(text) for text in output.read_text().splitlines()]
+    answer = row["response"]["body"]
+    assert [(choice["index"], choice["text"]) for choice in answer["choices"]] == [(0, "c0"), (1, "c1")]
+    assert answer["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}

@@ -66,7 +66,8 @@ async def test_a_batch_answers_every_line_once_in_openai_shape(gateway: Any, sta
     model = await served.model()
     sdk = served.sdk()
     lines = [line(f"req-{i}", f"question {i}", model=model, temperature=0) for i in range(8)]
-    lines.append(line("refused", model=model, n=2))  # a body llmq cannot run: answered in the error file
+    lines.append(line("two", "question 0", model=model, temperature=0, n=2))  # two choices in one answer
+    lines.append(line("refused", model=model, best_of=2))  # a body llmq cannot run: answered in the error file
     data = jsonl(lines)
 
     upload = await sdk.files.create(file=("input.jsonl", io.BytesIO(data)), purpose="batch")
@@ -83,12 +84,19 @@ async def test_a_batch_answers_every_line_once_in_openai_shape(gateway: Any, sta
     batch = await ended(sdk, batch.id)
     assert batch.status == "completed", batch
     assert batch.request_counts is not None
-    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (9, 8, 1)
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (10, 9, 1)
     assert batch.created_at <= batch.in_progress_at <= batch.finalizing_at <= batch.completed_at
     assert batch.model == model and batch.output_file_id and batch.error_file_id
 
     output = rows((await sdk.files.content(batch.output_file_id)).content)
-    assert sorted(row["custom_id"] for row in output) == sorted(f"req-{i}" for i in range(8))
+    assert sorted(row["custom_id"] for row in output) == sorted([*(f"req-{i}" for i in range(8)), "two"])
+    [two] = [row["response"]["body"] for row in output if row["custom_id"] == "two"]
+    [req_0] = [row["response"]["body"] for row in output if row["custom_id"] == "req-0"]
+    assert [choice["index"] for choice in two["choices"]] == [0, 1]
+    greedy = req_0["choices"][0]["message"]["content"]  # the same question, greedy: every choice is its answer
+    assert [choice["message"]["content"] for choice in two["choices"]] == [greedy, greedy]
+    assert two["usage"]["prompt_tokens"] == req_0["usage"]["prompt_tokens"]  # the prompt counted once
+    assert two["usage"]["completion_tokens"] == 2 * req_0["usage"]["completion_tokens"]
     for row in output:
         assert row["error"] is None and row["id"].startswith("batch_req_")
         assert row["response"]["status_code"] == 200
@@ -96,13 +104,13 @@ async def test_a_batch_answers_every_line_once_in_openai_shape(gateway: Any, sta
         assert body["object"] == "chat.completion" and body["model"] == model
         assert body["id"] == row["response"]["request_id"]
         assert isinstance(body["choices"][0]["message"]["content"], str)
-        assert body["usage"]["completion_tokens"] <= 3
-    assert len({row["response"]["request_id"] for row in output}) == 8
+        assert body["usage"]["completion_tokens"] <= 3 * len(body["choices"])  # max_tokens per choice
+    assert len({row["response"]["request_id"] for row in output}) == 9
     errors = rows((await sdk.files.content(batch.error_file_id)).content)
     assert [(row["custom_id"], row["response"], row["error"]["code"]) for row in errors] == [
         ("refused", None, "invalid_request")
     ]
-    assert "n" in errors[0]["error"]["message"]
+    assert "best_of" in errors[0]["error"]["message"]
     assert (await sdk.files.retrieve(batch.output_file_id)).purpose == "batch_output"
     outputs = [f.id async for f in sdk.files.list(purpose="batch_output")]
     assert sorted(outputs) == sorted([batch.output_file_id, batch.error_file_id])
