@@ -514,35 +514,55 @@ class BaseClient:
         """A lane's backlog limit in each partition: its share of `max_queue_len` (0 = no limit)."""
         return math.ceil(self.max_queue_len / self.partitions)
 
+    def partition_groups(self, requests: list[GenerateRequest], queue: str | None) -> list[tuple[Keys, list[Any]]]:
+        """A call's requests by the partition that holds each (one group unless the queue is partitioned), in
+        order: each group is submitted in one script call."""
+        groups: dict[int, tuple[Keys, list[GenerateRequest]]] = {}
+        for request in requests:
+            keys = self.keys_for(queue, request.id)
+            groups.setdefault(keys.partition, (keys, []))[1].append(request)
+        return list(groups.values())
+
     @contextmanager
-    def submitting(self, request: GenerateRequest, keys: Keys, lane: str) -> Iterator[ScriptCall]:
-        """The `Submit` script's call for `request`, inside the submit's span when tracing records
-        (`client.tracing`; the entry carries its context): `check_submitted` ends it with the script's answer, a
-        failure that leaves the block ends it as failed. Raises `InvalidRequest` for an unknown lane."""
+    def submitting(self, requests: list[GenerateRequest], keys: Keys, lane: str) -> Iterator[ScriptCall]:
+        """The `Submit` script's call for `requests` (one call's, of one partition), inside the submit's span when
+        tracing records (`client.tracing`; the entries carry its context): `check_submitted` ends it with the
+        script's answer, a failure that leaves the block ends it as failed. Raises `InvalidRequest` for an unknown
+        lane."""
+        first = requests[0]
         if lane not in LANES:
-            raise InvalidRequest(f"priority must be one of {', '.join(LANES)}, not {lane!r}", request.id)
-        trace = tracing.start_submit(request, keys, lane)
+            raise InvalidRequest(f"priority must be one of {', '.join(LANES)}, not {lane!r}", first.id)
+        trace = tracing.start_submit(first, keys, lane)
         try:
             yield Submit.pack(
-                keys, request.id, lane, encode(request), self.partition_limit, request.result_ttl, self.client_id, trace
+                keys,
+                [request.id for request in requests],
+                lane,
+                [encode(request) for request in requests],
+                self.partition_limit,
+                first.result_ttl,
+                self.client_id,
+                trace,
             )
         except BaseException as error:
             tracing.end_submit("failed", error=f"{type(error).__name__}: {error}")
             raise
 
-    def check_submitted(self, outcome: SubmitOutcome, keys: Keys, lane: str) -> None:
-        full = outcome == SubmitOutcome.FULL
+    def check_submitted(self, outcomes: list[SubmitOutcome], keys: Keys, lane: str) -> None:
+        full = SubmitOutcome.FULL in outcomes
+        outcome = SubmitOutcome.FULL if full else max(outcomes)  # ADDED when any was
         tracing.end_submit(outcome.name.lower(), error="the lane is full (QueueFull)" if full else None)
         if not full:
             return
-        if self.partitions == 1:
-            raise QueueFull(
-                f"lane {lane!r} of queue {keys.queue!r} holds {self.max_queue_len} unfinished requests (its limit)"
-            )
-        raise QueueFull(
-            f"lane {lane!r} of queue {keys.queue!r}, partition {keys.partition} of {self.partitions}, holds "
-            f"{self.partition_limit} unfinished requests (its share of max_queue_len {self.max_queue_len})"
-        )
+        where = f"lane {lane!r} of queue {keys.queue!r}"
+        if self.partitions > 1:
+            where += f", partition {keys.partition} of {self.partitions},"
+        limit = f"{self.partition_limit} unfinished requests"
+        if self.partitions > 1:
+            limit += f" (its share of max_queue_len {self.max_queue_len})"
+        if len(outcomes) > 1:
+            raise QueueFull(f"{where} has no room for {len(outcomes)} more requests: it holds {limit} at most")
+        raise QueueFull(f"{where} holds {limit}" + ("" if self.partitions > 1 else " (its limit)"))
 
 
 class BaseJob:

@@ -185,9 +185,11 @@ class Client(BaseClient):
         `prompt_logprobs=k` scores the prompt (each token's log-probability given those before it, and `k`
         alternatives: `Result.prompt_logprobs`, and a first delta without tokens), and allows `max_new_tokens=0`,
         to score only. `n` (1 to 16) asks for that many sampled answers: they are `n` requests, `<id>-0` to
-        `<id>-<n-1>`, choice `i` seeded `seed + i`, and the job returned is a `Choices` (`Result.choices`,
-        deltas with their `index`); a failure part way cancels the choices submitted, unless `request_id` was
-        given (then submitting again attaches to them and submits the rest). `priority` is the lane:
+        `<id>-<n-1>`, choice `i` seeded `seed + i`, submitted together (one script call, all or nothing, per
+        partition), and the job returned is a `Choices` (`Result.choices`,
+        deltas with their `index`); a failure part way (a partitioned queue's later partition) cancels the
+        choices submitted, unless `request_id` was given (then submitting again attaches to them and submits the
+        rest). `priority` is the lane:
         `interactive` (served first, and may preempt lower lanes), `default` or `batch`. Raises `QueueFull`
         when the lane's backlog is at `max_queue_len`.
         """
@@ -223,8 +225,8 @@ class Client(BaseClient):
         )
         jobs: list[Job] = []
         try:
-            for request in requests:
-                jobs.append(self._submit_request(request, queue, priority))
+            for keys, group in self.partition_groups(requests, queue):
+                jobs += self._submit_group(group, keys, priority)
         except BaseException:
             if request_id is None:  # nobody can submit again into the choices submitted: stop them
                 for submitted in jobs:
@@ -235,14 +237,14 @@ class Client(BaseClient):
             return jobs[0]
         return Choices(self, base, self.keys_for(queue, base), jobs)
 
-    def _submit_request(self, request: GenerateRequest, queue: str | None, priority: Lane) -> Job:
-        keys = self.keys_for(queue, request.id)
-        with self.submitting(request, keys, priority) as call:
-            added = self._retry(
+    def _submit_group(self, requests: list[GenerateRequest], keys: Keys, priority: Lane) -> list[Job]:
+        """One script call for a call's requests of one partition (`Submit`: all or nothing)."""
+        with self.submitting(requests, keys, priority) as call:
+            outcomes = self._retry(
                 "a submit", lambda: self._scripts.submit.run_sync(self._redis, call, self.wait_replicas)
             )
-            self.check_submitted(added, keys, priority)
-        return Job(self, request.id, keys)
+            self.check_submitted(outcomes, keys, priority)
+        return [Job(self, request.id, keys) for request in requests]
 
     def submit_many(
         self, requests: Iterable[Mapping[str, Any]], *, window: int = 64, timeout: float | None = None

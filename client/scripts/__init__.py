@@ -164,36 +164,35 @@ class LuaScript:
 
 
 class Submit(LuaScript):
-    """KEYS: the idempotency marker, the lane's request stream. ARGV: the entry, the lane's limit (0 = none), the
-    result TTL, the client id, then the trace context (`TRACE_FIELD`) if there is one. Reply: `SubmitOutcome`."""
+    """KEYS: the lane's request stream, then each request's idempotency marker. ARGV: the lane's limit (0 = none),
+    the result TTL, the client id, the trace context (`TRACE_FIELD`, b"" for none), then each request's entry.
+    Reply: a `SubmitOutcome` per request (all FULL, or each ADDED or DUPLICATE)."""
 
     name = "submit"
 
     @staticmethod
     def pack(
         keys: Keys,
-        request_id: str,
+        request_ids: Sequence[str],
         lane: Lane,
-        entry: bytes,
+        entries: Sequence[bytes],
         limit: int,
         ttl_s: int,
         client_id: str,
         trace: bytes = b"",
     ) -> ScriptCall:
-        args: list[Any] = [entry, limit, ttl_s, client_id]
-        if trace:
-            args.append(trace)
-        return ScriptCall([keys.submitted(request_id), keys.lane(lane)], args)
+        markers = [keys.submitted(request_id) for request_id in request_ids]
+        return ScriptCall([keys.lane(lane), *markers], [limit, ttl_s, client_id, trace, *entries])
 
     @staticmethod
-    def parse(reply: Any) -> SubmitOutcome:
-        return SubmitOutcome(int(reply))
+    def parse(reply: Any) -> list[SubmitOutcome]:
+        return [SubmitOutcome(int(answer)) for answer in reply]
 
-    def run_sync(self, client: Any, call: ScriptCall, replicas: int = 0) -> SubmitOutcome:
+    def run_sync(self, client: Any, call: ScriptCall, replicas: int = 0) -> list[SubmitOutcome]:
         """On a blocking connection, then WAIT for `replicas` (`client.replication`)."""
         return self.parse(run_script_sync(client, self, call.keys, call.args, replicas))
 
-    async def run_async(self, client: Any, call: ScriptCall, replicas: int = 0) -> SubmitOutcome:
+    async def run_async(self, client: Any, call: ScriptCall, replicas: int = 0) -> list[SubmitOutcome]:
         """On an asyncio connection, then WAIT for `replicas` (`client.replication`)."""
         return self.parse(await run_script_async(client, self, call.keys, call.args, replicas))
 

@@ -7,11 +7,14 @@ The test plays the worker: it writes events to the result streams with XADD, as 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import redis.asyncio as aioredis
 
-from client import AsyncChoices, Cancelled, Choices, Delta, InvalidRequest, QueueFull, RequestFailed, protocol
+from client import AsyncChoices, Cancelled, Choices, Delta, InvalidRequest, QueueFull, RequestFailed, _core, protocol
+from client.protocol import choice_ids
+from client.store import partition_of
 from tests.client.test_submit import entries
 from tests.client.twins import KEYS, Twin, TwinFactory, done, emit, tokens
 from tests.polling import wait_until
@@ -95,26 +98,34 @@ async def test_cancel_stops_every_choice_and_result_raises_cancelled(twin: Twin,
         await job.result(wait_s=5)
 
 
-async def test_a_full_queue_part_way_cancels_the_choices_of_an_unnamed_call(
-    make_twin: TwinFactory, server: aioredis.Redis
-) -> None:
+async def test_a_queue_without_room_for_every_choice_takes_none(make_twin: TwinFactory, server: aioredis.Redis) -> None:
     twin = make_twin(max_queue_len=2)
-    with pytest.raises(QueueFull):
-        await twin.submit("hi", n=3)
-    ids = [r.id for r in await entries(server)]
-    assert len(ids) == 2 and all([await server.exists(KEYS.cancel(i)) for i in ids])
+    with pytest.raises(QueueFull, match="no room for 3 more"):
+        await twin.submit("hi", n=3, request_id="all")
+    assert await server.xlen(KEYS.requests) == 0 and not await server.exists(KEYS.submitted("all-0"))
+    assert [choice.id for choice in (await twin.submit("hi", n=2, request_id="all")).job.jobs] == ["all-0", "all-1"]
 
 
-async def test_a_full_queue_part_way_keeps_a_named_calls_choices_for_its_retry(
-    make_twin: TwinFactory, server: aioredis.Redis
+def split_call() -> str:
+    """A call id whose first choice is alone in its partition of 3 and whose other two share another one."""
+    for attempt in range(1000):
+        where = [partition_of(choice, 3) for choice in choice_ids(f"split{attempt}", 3)]
+        if where[0] != where[1] == where[2]:
+            return f"split{attempt}"
+    raise AssertionError("no such id")
+
+
+@pytest.mark.parametrize("named", [False, True])
+async def test_a_partition_that_refuses_part_way_cancels_the_rest_unless_the_call_was_named(
+    make_twin: TwinFactory, server: aioredis.Redis, monkeypatch: pytest.MonkeyPatch, named: bool
 ) -> None:
-    twin = make_twin(max_queue_len=2)
-    with pytest.raises(QueueFull):
-        await twin.submit("hi", n=3, request_id="named")
-    assert not await server.exists(KEYS.cancel("named-0"))
-    first_id = (await server.xrange(KEYS.requests, count=1))[0][0]
-    await server.xdel(KEYS.requests, first_id)  # a worker took one: room for the rest
-    retried = await twin.submit("hi", n=3, request_id="named")
-    assert [r.id for r in await entries(server)] == ["named-1", "named-2"]
-    assert isinstance(retried.job, Choices | AsyncChoices)
-    assert [choice.id for choice in retried.job.jobs] == ["named-0", "named-1", "named-2"]
+    twin = make_twin(partitions=3, max_queue_len=3)  # a share of 1 per partition: the partition of two refuses
+    call = split_call()
+    if not named:  # the client makes the call's id up: make it this one
+        monkeypatch.setattr(_core.uuid, "uuid4", lambda: SimpleNamespace(hex=call))
+    with pytest.raises(QueueFull, match="no room for 2 more"):
+        await twin.submit("hi", n=3, request_id=call if named else None)
+    keys = twin.client.keys_for(None, f"{call}-0")
+    assert await server.xlen(keys.requests) == 1  # the first partition's choice went in
+    # Kept for a retry under the call's id, which attaches to it and submits the rest; else stopped.
+    assert await server.exists(keys.cancel(f"{call}-0")) == (0 if named else 1)

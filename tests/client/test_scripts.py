@@ -85,7 +85,7 @@ def test_rendered_constants_are_pythons_values() -> None:
     assert f"'{Fence.PREEMPTED}', 1)" in hand_back and f"reason == {int(HandBackReason.PREEMPTION)} then" in hand_back
     assert f"'HMGET', fence, '{Fence.ATTEMPT}', '{Fence.WRITTEN}')" in publish
     assert f"{PUBLISH_KEYS_PER_EVENT}, {PUBLISH_ARGS_PER_EVENT}, {PUBLISH_HEADER_ARGS}" in publish
-    assert f"return {int(SubmitOutcome.FULL)}" in scripts.source("submit")
+    assert f"answers[i] = {int(SubmitOutcome.FULL)}" in scripts.source("submit")
 
 
 @dataclass(frozen=True)
@@ -130,17 +130,27 @@ def test_submit_wrapper_on_a_blocking_connection(redis_url: str) -> None:
     keys = Keys("scripts-sync")
     with redis.Redis.from_url(redis_url) as server:
         submit = Scripts.register(server).submit
-        assert submit.run_sync(server, submit.pack(keys, "s1", "default", b"x", 1, 60, "c")) is SubmitOutcome.ADDED
-        assert submit.run_sync(server, submit.pack(keys, "s1", "default", b"x", 1, 60, "c")) is SubmitOutcome.DUPLICATE
-        assert submit.run_sync(server, submit.pack(keys, "s2", "default", b"x", 1, 60, "c")) is SubmitOutcome.FULL
-        [(_, fields)] = server.xrange(keys.requests)
-        assert fields == {b"m": b"x", b"n": b"c"}
+        added, duplicate, full = SubmitOutcome.ADDED, SubmitOutcome.DUPLICATE, SubmitOutcome.FULL
+        assert submit.run_sync(server, submit.pack(keys, ["s1"], "default", [b"x"], 2, 60, "c")) == [added]
+        assert submit.run_sync(server, submit.pack(keys, ["s1"], "default", [b"x"], 2, 60, "c")) == [duplicate]
+        # A call's requests go in together or not at all: one more fits, two do not (not even their markers).
+        assert submit.run_sync(server, submit.pack(keys, ["s2", "s3"], "default", [b"y", b"z"], 2, 60, "c")) == [
+            full,
+            full,
+        ]
+        assert not server.exists(keys.submitted("s2"))
+        both = submit.pack(keys, ["s1", "s2"], "default", [b"x", b"y"], 2, 60, "c")
+        assert submit.run_sync(server, both) == [duplicate, added]  # only the new one needs room
+        assert [fields for _, fields in server.xrange(keys.requests)] == [
+            {b"m": b"x", b"n": b"c"},
+            {b"m": b"y", b"n": b"c"},
+        ]
 
 
 async def test_read_renew_hand_back_and_publish_wrappers(conn: aioredis.Redis) -> None:
     lib = Scripts.register(conn)
-    call = lib.submit.pack(KEYS, "r1", "batch", b"x", 0, 60, "c1")
-    assert await lib.submit.run_async(conn, call) is SubmitOutcome.ADDED
+    call = lib.submit.pack(KEYS, ["r1"], "batch", [b"x"], 0, 60, "c1")
+    assert await lib.submit.run_async(conn, call) == [SubmitOutcome.ADDED]
     empty = await lib.read.run(KEYS, "w", 0, [("batch", 1)])
     assert empty.entries == [] and empty.last[KEYS.lane("batch")] != b"0-0" and empty.last[KEYS.requests] == b"0-0"
     read = await lib.read.run(KEYS, "w", 4, [("interactive", 1), ("batch", 2)])

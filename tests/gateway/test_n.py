@@ -163,23 +163,13 @@ async def test_a_timeout_cancels_every_choice(gateway: Any, redis_url: str, sdks
         assert await redis.exists(KEYS.cancel(f"{request_id}-0"), KEYS.cancel(f"{request_id}-1")) == 2
 
 
-@pytest.mark.parametrize("idempotent", [False, True])
-async def test_a_choice_the_queue_refuses_stops_the_ones_submitted(
-    gateway: Any, redis_url: str, sdks: Any, idempotent: bool
-) -> None:
-    served = await gateway(max_queue_len=2)  # no worker: the third choice finds the backlog full
+async def test_a_queue_without_room_for_every_choice_takes_none(gateway: Any, redis_url: str, sdks: Any) -> None:
+    served = await gateway(max_queue_len=2)  # no worker: three choices do not fit in a backlog of two
     before = await submitted(redis_url)
-    key = {"Idempotency-Key": "three"} if idempotent else {}
     with pytest.raises(openai.RateLimitError) as caught:
-        await sdks(served)[0].chat.completions.create(
-            model="default", messages=HI, max_tokens=2, n=3, extra_headers=key
-        )
-    request_id = caught.value.response.headers["x-request-id"]
-    choices = [f"{request_id}-0", f"{request_id}-1"]
-    assert await submitted(redis_url) - before == set(choices)
-    async with Redis.from_url(redis_url) as redis:
-        cancelled = await redis.exists(*(KEYS.cancel(choice) for choice in choices))
-    assert cancelled == (0 if idempotent else 2)  # kept for the retry under the same key, which submits the rest
+        await sdks(served)[0].chat.completions.create(model="default", messages=HI, max_tokens=2, n=3)
+    assert caught.value.response.headers["x-should-retry"] == "true"  # nothing runs: a retry is safe
+    assert await submitted(redis_url) == before  # all or nothing: not one choice went in
 
 
 async def test_one_cancelled_choice_is_the_calls_error_and_stops_the_others(
