@@ -114,7 +114,9 @@ class Settings(BaseSettings, LimitSettings):
     page_size: int = Field(32, ge=4, description="tokens per KV cache block")
     max_batch_tokens: int = Field(512, ge=1, description="tokens per forward step (prefill chunk budget)")
     max_running: int = Field(32, ge=1, description="requests decoding at once; the intake reads no more")
-    prefix_sharing: bool = Field(False, description="share KV blocks of identical prompt prefixes")
+    prefix_sharing: bool = Field(
+        True, description="prefix caching: reuse the KV blocks of identical prompt prefixes (computed once)"
+    )
     seed: int | None = Field(None, description="seed for sampling (per engine)")
 
     # Service

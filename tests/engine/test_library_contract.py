@@ -146,6 +146,17 @@ CALL_SITES = [
     (f"{CB}.model_runner.ModelRunner._forward_process_and_sample", "self._sample(scores, output_ids)"),
     (f"{CB}.scheduler.Scheduler._infer_request_tokens", "self.cache.search_prefix_match("),
     (f"{CB}.cache.PagedAttentionCache.__init__", "self.use_prefix_sharing"),
+    # `Manager.free_capacity`: the blocks the prefix cache keeps are free room, and where they are counted.
+    (f"{CB}.cache.PagedAttentionCache.__init__", "self.num_sectors"),
+    (f"{CB}.cache.PagedAttentionCache.__init__", "self.bytes_per_sector"),
+    (f"{CB}.cache_allocators.cache_allocator.CacheAllocator._before_cache_tensor_init", "self.ledger = BlockLedger()"),
+    (f"{CB}.cache_allocators.cache_allocator.CacheAllocator._before_cache_tensor_init", "self.bytes_per_block"),
+    (f"{CB}.cache_allocators.cache_allocator.BlockLedger.__init__", "self.cached_blocks"),
+    # `_forget_prefixes_on_request`: what a reset clears, before the scheduler's lookup.
+    (f"{CB}.cache_allocators.cache_allocator.BlockLedger.__init__", "self.hash_to_block"),
+    (f"{CB}.cache_allocators.cache_allocator.BlockLedger.__init__", "self.block_to_hash"),
+    (f"{CB}.cache.PagedAttentionCache.evict_cached_blocks", "allocator.ledger.evict_cached_blocks()"),
+    (f"{CB}.cache.PagedAttentionCache.compute_free_capacity", "self.pool.free_sectors"),
     # Prompt scoring: a batch's rows are planned after its chunks advanced their requests' offsets, and the logits
     # the model returns for `logits_to_keep` are used as they come (`library.install_prompt_scoring`).
     (f"{CB}.input_outputs.ContinuousBatchingIOs.prepare_batch_tensors", "state.position_offset += query_length"),

@@ -41,7 +41,9 @@ async def test_a_repeated_prompt_hits_its_full_pages(model_dir: Path) -> None:
 
 async def test_without_prefix_sharing_nothing_is_served(model_dir: Path) -> None:
     model, tokenizer = load_model(str(model_dir), LoadOptions(cache_dir=model_dir / "cache"))
-    async with Engine(model, tokenizer, EngineConfig(kv_cache_tokens=2048, page_size=16)) as engine:
+    async with Engine(
+        model, tokenizer, EngineConfig(kv_cache_tokens=2048, page_size=16, prefix_sharing=False)
+    ) as engine:
         await collect(engine.submit(EngineRequest("r", input_ids=[5] * 40, params=greedy(2))))
         assert engine.stats().prefix_cache_queries is None
         assert prefix_samples(engine) == {}

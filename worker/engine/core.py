@@ -57,7 +57,7 @@ class EngineConfig:
     page_size: int = 32
     max_batch_tokens: int = 512
     max_running: int = 32
-    prefix_sharing: bool = False
+    prefix_sharing: bool = True  # prefix caching: a prompt's full pages are computed once while they stay cached
     seed: int | None = None
     varlen_attention: bool = True  # our CPU attention (batched decode, paged reads), not the dense masked SDPA
     stop_timeout_s: float = 30.0
@@ -84,6 +84,7 @@ class Engine:
         self._row_states: dict[str, RowState] = {}  # by library id: the requests the sampler treats apart
         self._prompt_scores: dict[str, PromptScores] = {}  # by library id: the prompts being scored
         self._per_row = True  # the fused sampler is installed (not with CUDA graphs): per-row features work
+        self._weights = library.weights_of(model)  # what cached prefixes were computed with
         self._manager: library.Manager | None = None
         self._inputs: InputProcessor | None = None
         self._num_blocks = 0
@@ -233,11 +234,39 @@ class Engine:
         self._end(stream, Finish.CANCELLED)
         return True
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prompt prefix, as vLLM's `reset_prefix_cache` does: after weights changed in a way
+        the engine cannot see (through `.data`). A parameter swapped or changed in place is seen at the next
+        admission, which forgets them itself."""
+        if self._manager is not None:
+            self._manager.reset_prefix_cache()
+
+    def _forget_stale_prefixes(self) -> None:
+        weights = library.weights_of(self.model)
+        if not library.same_weights(self._weights, weights):
+            self._weights = weights
+            self.reset_prefix_cache()
+
     def free_slots(self) -> int:
         """How many more requests this engine would start now: what a worker should read from its queue."""
-        if self._closing or not self.alive or any(not s.request.suspect for s in self._waiting):
-            return 0  # closing, restarting, or KV-bound (a suspect waits only for the one running suspect)
+        if self._closing or not self.alive or any(self._kv_bound(s) for s in self._waiting):
+            return 0  # closing, restarting, or KV-bound
         return max(0, self.config.max_running - len(self._running) - len(self._waiting))
+
+    def _kv_bound(self, stream: RequestStream) -> bool:
+        """Whether a waiting request waits for KV blocks, not for a running suspect or a prefill it will share."""
+        return not stream.request.suspect and not self._shares_a_prefill(stream)
+
+    def _shares_a_prefill(self, stream: RequestStream) -> bool:
+        """Whether a running request whose prompt starts with the same full page is still prefilling it. This one
+        then waits for that prefill (its steps only) and reuses the pages it cached instead of computing them again:
+        `n` choices of one prompt, or a burst of requests behind one system prompt, prefill it once."""
+        page = self.config.page_size
+        prompt = stream.request.prompt_ids
+        if not self.config.prefix_sharing or len(prompt) <= page or stream.prompt_scores is not None:
+            return False  # nothing to share, or a scored prompt, which never takes a cached page
+        head = prompt[:page]
+        return any(not s.prefilled and s.request.prompt_ids[:page] == head for s in self._running.values())
 
     def observe_steps(self, observer: Callable[[Step], None]) -> None:
         """Calls `observer(step)` after every step, from the engine's thread."""
@@ -314,13 +343,15 @@ class Engine:
         unreserved KV blocks allow. A suspect waits while another suspect runs, without holding up the requests
         behind it."""
         manager = self._manager
+        if self._waiting and self.config.prefix_sharing:
+            self._forget_stale_prefixes()
         suspect_running = any(s.request.suspect for s in self._running.values())
         # Not into a dying thread (its failed outputs arrive before the watchdog sees it): they wait for the next.
         for stream in list(self._waiting):
             if not self.alive or len(self._running) >= self.config.max_running:
                 return
             assert manager is not None
-            if stream.request.suspect and suspect_running:
+            if (stream.request.suspect and suspect_running) or self._shares_a_prefill(stream):
                 continue
             if self._reserved_blocks + stream.kv_blocks > self._num_blocks:
                 return  # nothing overtakes a request waiting for KV blocks
@@ -361,16 +392,15 @@ class Engine:
         if stream is None:  # cancelled or stopped meanwhile
             return
         if output.error is not None:
-            manager = self._manager
-            if manager is None or manager.refusal() is not None:
-                return  # the thread is dying: the watchdog ends every request it ran at once, blaming consistently
-            self._end(stream, "error", EngineFailed(f"the engine failed this request: {output.error}"))
+            self._failed(stream, output.error)
             return
         prompt = None
         if stream.prompt_scores is not None:  # the first output comes after the prompt's last chunk ran
             prompt = self._take_scores(stream)
             if prompt is None:
                 return
+        if not stream.prefilled:
+            self._prefilled(stream)
         tokens = output.generated_tokens
         finished = output.is_finished()
         if stream.request.params.max_new_tokens == 0:  # scoring only: the token the library drew is not output
@@ -403,6 +433,18 @@ class Engine:
         stream.put(delta)
         if reason is not None:
             self._end(stream, reason)
+
+    def _failed(self, stream: RequestStream, error: str) -> None:
+        manager = self._manager
+        if manager is None or manager.refusal() is not None:
+            return  # the thread is dying: the watchdog ends every request it ran at once, blaming consistently
+        self._end(stream, "error", EngineFailed(f"the engine failed this request: {error}"))
+
+    def _prefilled(self, stream: RequestStream) -> None:
+        """Its first output came, so its prompt's pages are cached: requests waiting to share them may go in."""
+        stream.prefilled = True
+        if self._waiting:
+            self._admit()
 
     def _token_logprobs(self, stream: RequestStream, new_tokens: list[int]) -> list[TokenLogprob] | None:
         """The new tokens' logprobs, which the sampler queued, when the request asked for them."""

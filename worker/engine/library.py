@@ -20,8 +20,9 @@ second with the list of what moved.
    (`prompt_scores.py`): hooks on the model that add a scored prompt's positions to the logits it computes, and no
    prefix-cache match for such a prompt (every position must run);
 8. the paged reads into the cache (`paged_reads.py`), which exist only after the warmup, on CPU with our attention;
-9. the step counters around the manager's step (`stats.py`), with the engine paths chosen above and, where prefix
-   sharing is on, the prefix cache's lookups;
+9. the step counters around the manager's step (`stats.py`), with the engine paths chosen above; the prefix cache's
+   reset on request (`Manager.reset_prefix_cache`: before the scheduler's next lookup) and, where prefix sharing is
+   on, its lookups' counters;
 10. the manager's thread starts.
 `restore` undoes 3, 4 and the model's scoring hooks (the library's checks and `model.generate` need SDPA and the
 library's layers).
@@ -111,9 +112,10 @@ def _decoding(state: Any) -> bool:
 class Manager:
     """Our handle on one started library manager: every call the engine makes into it. Call on the event loop."""
 
-    def __init__(self, manager: ContinuousBatchingManager, per_row: bool) -> None:
+    def __init__(self, manager: ContinuousBatchingManager, per_row: bool, forget_prefixes: threading.Event) -> None:
         self.library = manager  # for tests that look inside; the engine goes through the methods
         self.per_row = per_row  # the fused sampler is in: per-request seeds, logprobs, penalties, formats work
+        self._forget_prefixes = forget_prefixes  # set: the library's thread forgets them before its next lookup
         processor = manager.batch_processor
         assert processor is not None, "a started manager has its batch processor"
         self.num_blocks = int(processor.cache.num_blocks)
@@ -155,10 +157,20 @@ class Manager:
             while True:
                 unclaimed.get_nowait()
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix before the library's next prefix lookup (in its thread, which owns the
+        ledgers), so no request admitted from now on reuses a block computed before."""
+        self._forget_prefixes.set()
+
     def free_capacity(self) -> float:
-        """The free share of the paged cache (1.0 once the manager stopped)."""
+        """The free share of the paged cache (1.0 once the manager stopped). Blocks the prefix cache keeps, which no
+        request holds, count as free, as vLLM counts them: the library evicts them whenever it needs the room."""
         processor = self.library.batch_processor
-        return float(processor.cache.compute_free_capacity()) if processor is not None else 1.0
+        if processor is None:
+            return 1.0
+        cache = processor.cache
+        cached = sum(len(a.ledger.cached_blocks) * a.bytes_per_block for a in cache.cache_allocators.values())
+        return float(cache.compute_free_capacity()) + cached / (cache.num_sectors * cache.bytes_per_sector)
 
     def stop(self, timeout: float, hard_stop: bool = False) -> None:
         """Stops the library's thread, waiting up to `timeout` (blocking: call through a worker thread)."""
@@ -206,10 +218,11 @@ def start(model: Any, sizing: EngineConfig, eos_token_ids: tuple[int, ...], hook
         paged = install_paged_reads(processor.cache, kernel)
     hooks.counters.paths = engine_paths(model, paths.varlen_attention, lean, paged, kernel is not None)
     _count_steps(manager, hooks.counters)
+    forget_prefixes = _forget_prefixes_on_request(processor.cache)
     if processor.cache.use_prefix_sharing:
         _count_prefix_lookups(manager, processor.cache, hooks.counters)
     manager.start()
-    return Manager(manager, per_row)
+    return Manager(manager, per_row, forget_prefixes)
 
 
 def restore(model: Any) -> None:
@@ -389,6 +402,37 @@ def _count_steps(manager: Any, counters: StepCounters) -> None:
         counters.count_step(tokens, decode, generated)
 
     manager._generation_step = counted_step
+
+
+def _forget_prefixes_on_request(cache: Any) -> threading.Event:
+    """An event that, once set, makes the library's thread forget every cached prefix before its next lookup (the
+    scheduler's, for a prompt it is about to schedule): blocks no request holds go back to the pool, and blocks
+    requests still hold lose their hashes (so they are freed, not kept, when those end)."""
+    wanted = threading.Event()
+    search = cache.search_prefix_match
+
+    def search_after_forgetting(request_id: str, prompt_ids: list[int]) -> int:
+        if wanted.is_set():
+            wanted.clear()
+            cache.evict_cached_blocks()
+            for allocator in cache.cache_allocators.values():
+                allocator.ledger.hash_to_block.clear()
+                allocator.ledger.block_to_hash.clear()
+        return int(search(request_id, prompt_ids))
+
+    cache.search_prefix_match = search_after_forgetting
+    return wanted
+
+
+def weights_of(model: Any) -> list[tuple[torch.Tensor, int]]:
+    """Each parameter with its version: a parameter swapped or changed in place (not through `.data`, which
+    autograd does not see either) makes a different list, and cached prefixes computed before are stale. The
+    tensors are held, so a new parameter can never pass for a collected one by reusing its id."""
+    return [(parameter, parameter._version) for parameter in model.parameters()]
+
+
+def same_weights(before: list[tuple[torch.Tensor, int]], now: list[tuple[torch.Tensor, int]]) -> bool:
+    return len(before) == len(now) and all(a is b and u == v for (a, u), (b, v) in zip(before, now, strict=True))
 
 
 def _count_prefix_lookups(manager: Any, cache: Any, counters: StepCounters) -> None:

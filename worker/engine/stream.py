@@ -36,6 +36,7 @@ class RequestStream(AsyncIterator[OutputDelta]):
         self.detokenizer = detokenizer
         self.stops = StopStringMatcher(request.params.stop, pending=carry_text)
         self.tokens_seen = 0  # the library's outputs are cumulative: how many generated tokens we already took
+        self.prefilled = False  # its prompt's pages are computed (its first output came): others may reuse them
         self.row_state: RowState | None = None  # the sampler's state, for a request with per-row features
         self.prompt_scores: PromptScores | None = None  # its prompt being scored, until its first output
         self.tool_syntax: str | None = None  # the syntax of its calls, on a request that may call tools

@@ -1,0 +1,89 @@
+"""Prefix caching, on by default: a prompt's full pages are computed once and reused by every request that starts
+with them (the `n` choices of one call, requests behind one system prompt), and outputs stay exactly what they are
+without it, greedy and seeded, together and staggered."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engine.test_engine import collect, greedy, tokens_of
+from worker.engine import EngineConfig
+from worker.engine.types import EngineRequest, GenerationParams
+
+PAGE = 16
+
+
+def system_prompted(vocab: int, count: int, seed: int = 3) -> list[list[int]]:
+    """Prompts behind one of two system prompts (3 and 2 full pages and a bit), each with its own question."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(3, vocab) for _ in range(length)] for length in (53, 40)]
+    return [systems[i % 2] + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 30))] for i in range(count)]
+
+
+def test_prefix_caching_is_on_by_default() -> None:
+    assert EngineConfig().prefix_sharing
+
+
+async def test_choices_of_one_prompt_prefill_it_once(llama_dir: Path, make_engine: Any) -> None:
+    engine = await make_engine(llama_dir)
+    prompt = [3 + i % 90 for i in range(70)]  # four full pages and 6 tokens
+    params = GenerationParams(max_new_tokens=6, temperature=0.9, seed=11)
+    streams = [engine.submit(EngineRequest(f"c-{i}", input_ids=prompt, params=params)) for i in range(4)]
+    # The three followers wait for the first's prefill without holding the engine's free slots.
+    assert engine.free_slots() == engine.config.max_running - 4
+    outputs = [tokens_of(deltas) for deltas in await asyncio.gather(*(collect(s) for s in streams))]
+    stats = engine.stats()
+    assert stats.prefill_tokens == 70 + 3 * (70 - 4 * PAGE)  # the pages once, each follower's last 6 tokens
+    assert stats.prefix_cache_hits == 3 * 4 * PAGE
+    assert outputs == [outputs[0]] * 4  # the same seed on the same prompt: the same answer from shared pages
+
+
+@pytest.mark.parametrize("staggered", [False, True], ids=["together", "staggered"])
+async def test_outputs_are_the_same_with_and_without_prefix_caching(
+    llama_dir: Path, make_engine: Any, staggered: bool
+) -> None:
+    cached = await make_engine(llama_dir)
+    plain = await make_engine(llama_dir, prefix_sharing=False)
+    prompts = system_prompted(cached.vocab_size, count=12)
+
+    async def run(engine: Any) -> list[list[int]]:
+        streams = []
+        for index, prompt in enumerate(prompts):
+            params = greedy(12) if index % 3 else GenerationParams(max_new_tokens=12, temperature=1.1, seed=index)
+            request = EngineRequest(f"r{index}", input_ids=prompt, params=params)
+            streams.append(asyncio.ensure_future(collect(engine.submit(request))))
+            if staggered:  # later requests find the system prompts' pages cached by earlier ones
+                await asyncio.sleep(0.03 * (index % 3))
+        return [tokens_of(deltas) for deltas in await asyncio.gather(*streams)]
+
+    with_cache, without = await run(cached), await run(plain)
+    assert with_cache == without
+    assert cached.stats().prefix_cache_hits > 0 and cached.stats().prefill_tokens < plain.stats().prefill_tokens
+
+
+async def test_a_prompt_that_extends_a_finished_one_reuses_its_pages(llama_dir: Path, make_engine: Any) -> None:
+    engine = await make_engine(llama_dir)
+    first = [5 + i % 80 for i in range(40)]
+    await collect(engine.submit(EngineRequest("first", input_ids=first, params=greedy(3))))
+    extended = [*first, 9, 10, 11, 12, 13, 14, 15, 16, 17]  # a conversation's next turn, say
+    before = engine.stats().prefill_tokens
+    await collect(engine.submit(EngineRequest("next", input_ids=extended, params=greedy(3))))
+    assert engine.stats().prefill_tokens - before == len(extended) - 2 * PAGE  # the first's two full pages reused
+
+
+async def test_a_request_of_another_prompt_is_not_held(llama_dir: Path, make_engine: Any) -> None:
+    engine = await make_engine(llama_dir, max_running=3)
+    shared = [7 + i % 60 for i in range(300)]  # a long prefill: several steps of 128 tokens
+    leader = engine.submit(EngineRequest("leader", input_ids=shared, params=greedy(2)))
+    follower = engine.submit(EngineRequest("follower", input_ids=shared, params=greedy(2)))
+    other = engine.submit(EngineRequest("other", input_ids=[4] * 20, params=greedy(2)))
+    # The follower waits for the leader's prefill; the other request went in beside the leader at once.
+    assert [s.request_id for s in engine._running.values()] == ["leader", "other"]
+    assert engine.free_slots() == 0  # three slots: two running, one reserved for the follower
+    await asyncio.gather(collect(leader), collect(follower), collect(other))
+    assert engine.stats().prefix_cache_hits == 300 // PAGE * PAGE
