@@ -26,7 +26,7 @@ def assert_openai_error(error: openai.APIStatusError, status: int, code: str, pa
     [
         ({"n": 17}, "n"),
         ({"logit_bias": {"5": 1}}, "logit_bias"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),  # the legacy form of `tools`
         ({"service_tier": "scale"}, "service_tier"),
         ({"temperature": 1000}, "temperature"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
