@@ -39,7 +39,10 @@ WORKERS = 2
 MAX_RUNNING = 8  # per worker: 16 slots in the fleet
 
 
-def start_worker(url: str, model: str, name: str, log: Path) -> subprocess.Popen[bytes]:
+def start_worker(
+    url: str, model: str, name: str, log: Path, **settings: str | int | float | bool
+) -> subprocess.Popen[bytes]:
+    """A worker process on one core; `settings` add or override flags (`metrics_port=9401` is `--metrics-port`)."""
     flags = {
         "--redis-url": url,
         "--model": model,
@@ -52,11 +55,19 @@ def start_worker(url: str, model: str, name: str, log: Path) -> subprocess.Popen
         "--claim-interval-s": 0.2,
         "--metrics-port": 0,
         "--log-level": "warning",
+        **{f"--{setting.replace('_', '-')}": value for setting, value in settings.items()},
     }
-    args = [str(part) for pair in flags.items() for part in pair]
+    args = [str(part) for flag, value in flags.items() for part in switch(flag, value)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a core each, as each worker of a fleet has its own device
     command = [sys.executable, "-m", "worker", *args]
     return subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+
+
+def switch(flag: str, value: str | int | float) -> list[str | int | float]:
+    """A flag and its value; a boolean is the flag alone, or its `--no-` form."""
+    if isinstance(value, bool):
+        return [flag if value else flag.replace("--", "--no-", 1)]
+    return [flag, value]
 
 
 async def interactive_ttfts(client: AsyncClient, jobs: list[Job], arrivals: list[float]) -> list[float]:
