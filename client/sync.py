@@ -185,13 +185,12 @@ class Client(BaseClient):
         `prompt_logprobs=k` scores the prompt (each token's log-probability given those before it, and `k`
         alternatives: `Result.prompt_logprobs`, and a first delta without tokens), and allows `max_new_tokens=0`,
         to score only. `n` (1 to 16) asks for that many sampled answers: they are `n` requests, `<id>-0` to
-        `<id>-<n-1>`, choice `i` seeded `seed + i`, submitted together (one script call, all or nothing, per
-        partition), and the job returned is a `Choices` (`Result.choices`,
-        deltas with their `index`); a failure part way (a partitioned queue's later partition) cancels the
-        choices submitted, unless `request_id` was given (then submitting again attaches to them and submits the
-        rest). `priority` is the lane:
+        `<id>-<n-1>`, choice `i` seeded `seed + i`, submitted together (one script call, all or none, per
+        partition), and the job returned is a `Choices` (`Result.choices`, deltas with their `index`); a failure
+        part way (a partitioned queue's later partition) cancels the choices submitted, unless `request_id` was
+        given (then submitting again attaches to them and submits the rest). `priority` is the lane:
         `interactive` (served first, and may preempt lower lanes), `default` or `batch`. Raises `QueueFull`
-        when the lane's backlog is at `max_queue_len`.
+        when the lane has no room for the request (or for all `n`) within `max_queue_len`.
         """
         self.ensure_open()
         self.keys_for(queue)  # a bad queue name is refused first
