@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 
 from tests.engine.test_engine import collect, greedy, tokens_of
 from worker.engine import EngineConfig
-from worker.engine.types import EngineRequest, GenerationParams
+from worker.engine.types import EngineRequest, GenerationParams, Resume
 
 PAGE = 16
 
@@ -87,3 +88,27 @@ async def test_a_request_of_another_prompt_is_not_held(llama_dir: Path, make_eng
     assert engine.free_slots() == 0  # three slots: two running, one reserved for the follower
     await asyncio.gather(collect(leader), collect(follower), collect(other))
     assert engine.stats().prefix_cache_hits == 300 // PAGE * PAGE
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+async def test_a_resume_on_a_worker_holding_its_pages_continues_the_same_tokens(
+    llama_dir: Path, make_engine: Any, seeded: bool
+) -> None:
+    """A request resumed (after a preemption, say) on an engine that cached its prompt and its first tokens
+    continues exactly as one uninterrupted run does, and as a resume without caching does."""
+    params = GenerationParams(max_new_tokens=30, temperature=1.0, seed=5) if seeded else greedy(30)
+    params = replace(params, ignore_eos=True)
+    prompt = [11 + i % 70 for i in range(50)]
+    cached = await make_engine(llama_dir)
+    plain = await make_engine(llama_dir, prefix_sharing=False)
+    whole = tokens_of(await collect(cached.submit(EngineRequest("whole", input_ids=prompt, params=params))))
+    delivered = whole[:12]  # prompt + 12 tokens: three full pages of the first run are cached
+    text = cached.tokenizer.decode(delivered)
+
+    async def resumed(engine: Any) -> list[int]:
+        request = EngineRequest("again", input_ids=prompt, params=params, resume=Resume(delivered, text))
+        return delivered + tokens_of(await collect(engine.submit(request)))
+
+    before = cached.stats().prefix_cache_hits
+    assert await resumed(cached) == whole == await resumed(plain)
+    assert cached.stats().prefix_cache_hits - before == 3 * PAGE  # it did run from the cached pages
