@@ -152,6 +152,12 @@ CALL_SITES = [
     (f"{CB}.cache_allocators.cache_allocator.CacheAllocator._before_cache_tensor_init", "self.ledger = BlockLedger()"),
     (f"{CB}.cache_allocators.cache_allocator.CacheAllocator._before_cache_tensor_init", "self.bytes_per_block"),
     (f"{CB}.cache_allocators.cache_allocator.BlockLedger.__init__", "self.cached_blocks"),
+    # `UrgentFirstScheduler._try_to_meet_safety_margin`: least recently used eviction in place of the library's.
+    (f"{CB}.scheduler.Scheduler._process_candidates", "self._try_to_meet_safety_margin()"),
+    (f"{CB}.scheduler.Scheduler._try_to_meet_safety_margin", "self.cache.evict_cached_blocks()"),
+    (f"{CB}.cache_allocators.cache_pool.CachePool.free_blocks", "self._free_blocks[index].add_leaves(block_ids)"),
+    (f"{CB}.cache_allocators.cache_allocator.BlockLedger.release", "self.cached_blocks[block_id] = None"),
+    (f"{CB}.cache_allocators.cache_allocator.BlockLedger.acquire", "self.cached_blocks.pop(block_id)"),
     # `_forget_prefixes_on_request`: what a reset clears, before the scheduler's lookup.
     (f"{CB}.cache_allocators.cache_allocator.BlockLedger.__init__", "self.hash_to_block"),
     (f"{CB}.cache_allocators.cache_allocator.BlockLedger.__init__", "self.block_to_hash"),

@@ -112,3 +112,23 @@ async def test_a_resume_on_a_worker_holding_its_pages_continues_the_same_tokens(
     before = cached.stats().prefix_cache_hits
     assert await resumed(cached) == whole == await resumed(plain)
     assert cached.stats().prefix_cache_hits - before == 3 * PAGE  # it did run from the cached pages
+
+
+async def test_a_prefix_in_use_now_and_then_stays_cached_while_one_offs_fill_the_cache(
+    llama_dir: Path, make_engine: Any
+) -> None:
+    """A cache of 32 pages, filled again and again by one-off prompts of 6 pages: the cached pages evicted are the
+    least recently used ones, so a prompt asked between them keeps hitting its pages (the library alone drops
+    every cached page at once whenever free room runs low)."""
+    engine = await make_engine(llama_dir, kv_cache_tokens=32 * PAGE)
+    hot = [9 + i % 50 for i in range(3 * PAGE + 4)]  # three full pages and 4 tokens
+    rng = random.Random(5)
+    hits = []
+    for round_ in range(12):
+        one_off = [rng.randrange(3, engine.vocab_size) for _ in range(6 * PAGE + 3)]
+        await collect(engine.submit(EngineRequest(f"once-{round_}", input_ids=one_off, params=greedy(4))))
+        before = engine.stats().prefix_cache_hits
+        await collect(engine.submit(EngineRequest(f"hot-{round_}", input_ids=hot, params=greedy(4))))
+        hits.append(engine.stats().prefix_cache_hits - before)
+    assert engine.stats().kv_blocks_total == 32
+    assert hits == [0] + [3 * PAGE] * 11  # computed once, found every time after

@@ -8,8 +8,8 @@ attribute and signature used here and checks the installed transformers still ha
 second with the list of what moved.
 
 `start` builds a manager and installs every hook, in this order (each step says why it comes where it does):
-1. our scheduler is registered in the library's `SCHEDULER_MAPPING` and chosen by `scheduler_type` (the library's
-   own seam), before the manager exists;
+1. our scheduler (urgent prefills first, the prefix cache evicted least recently used first) is registered in the
+   library's `SCHEDULER_MAPPING` and chosen by `scheduler_type` (the library's own seam), before the manager exists;
 2. the manager is built, checking the model's attention implementation against those it knows (sdpa);
 3. only then our attention function (`attention.py`), registered with `AttentionInterface` and switched in before
    the warmup, which builds the batch buffers: so it builds no dense masks either;
@@ -31,6 +31,7 @@ library's layers).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import queue
 import threading
 from collections.abc import Callable, Collection, Mapping
@@ -89,10 +90,23 @@ class Hooks:
 
 
 class UrgentFirstScheduler(FIFOScheduler):
-    """The library's FIFO scheduler, with urgent requests' prefills before every other prefill (`urgency.py`).
-    `urgent` is the engine's set, given to the instance the manager builds (`start`)."""
+    """The library's FIFO scheduler, with urgent requests' prefills before every other prefill (`urgency.py`), and
+    the prefix cache's blocks evicted least recently used first (`_try_to_meet_safety_margin`). `urgent` is the
+    engine's set, given to the instance the manager builds (`start`)."""
 
     urgent: Collection[str] = frozenset()
+
+    def _try_to_meet_safety_margin(self) -> bool:
+        """The library's check, but where it drops every cached prefix block at once when free room falls under the
+        margin, this drops the least recently used ones, only until the margin is met with `EVICTION_ROOM` more: a
+        prefix in use now and then (a system prompt) stays cached. (Before ever pausing a running request for room,
+        the library still drops them all.)"""
+        cache = self.cache
+        cache.pool.try_to_free_sectors()
+        if cache.compute_free_capacity() < self.safety_margin:
+            evict_least_recently_used(cache, self.safety_margin + EVICTION_ROOM)
+            cache.pool.try_to_free_sectors()
+        return bool(cache.compute_free_capacity() >= self.safety_margin)
 
     def _process_candidates(
         self,
@@ -103,6 +117,24 @@ class UrgentFirstScheduler(FIFOScheduler):
     ) -> Any:
         ordered = urgent_first(candidates, self.urgent, _decoding)
         return super()._process_candidates(ordered, token_budget, cache_budget, request_ids_to_remove_from_waiting)
+
+
+EVICTION_ROOM = 0.05  # share of the cache freed past the margin by one eviction, so it does not run every step
+_EVICTION_CHUNK = 8  # blocks evicted between two looks at the free room
+
+
+def evict_least_recently_used(cache: Any, free: float) -> None:
+    """Returns cached prefix blocks (no request holds them) to the pool, the least recently released first, until
+    `free` of the cache is free or none is left. A block a request takes from the cache leaves the ledger's
+    `cached_blocks` and goes back to its end when released: the dict's order is the order of last use."""
+    for allocator in cache.cache_allocators.values():
+        ledger = allocator.ledger
+        while ledger.cached_blocks and cache.compute_free_capacity() < free:
+            oldest = list(itertools.islice(ledger.cached_blocks, _EVICTION_CHUNK))
+            for block in oldest:
+                del ledger.cached_blocks[block]
+                del ledger.hash_to_block[ledger.block_to_hash.pop(block)]
+            cache.pool.free_blocks(allocator.index, oldest)
 
 
 def _decoding(state: Any) -> bool:
