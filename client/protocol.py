@@ -66,6 +66,7 @@ __all__ = [
     "Lane",
     "LimitSettings",
     "NamedToolChoice",
+    "PrefixCacheInfo",
     "PromptEvent",
     "RegexFormat",
     "RequestLimits",
@@ -654,6 +655,16 @@ class WorkerInfo(_Wire):
     heartbeat: _Count  # epoch ms
 
 
+class PrefixCacheInfo(_Wire):
+    """A worker's prefix cache since it started, beside its heartbeat (`Keys.prefix_caches`, so that readers of
+    `WorkerInfo` from before it, which refuse unknown fields, still read heartbeats): prompt tokens looked up and
+    found."""
+
+    v: _Version = PROTOCOL_VERSION
+    queries: _Count
+    hits: _Count
+
+
 class DeadLetterBody(_Wire):
     """An entry of the dead-letter stream (`Keys.dead`): a request entry no worker will run (unreadable, past its
     delivery limit, quarantined, or its result stream refused), with why. `raw` is the entry's `m` field as it was
@@ -822,6 +833,11 @@ def decode_dead_letter(raw: bytes) -> DeadLetterBody:
 def decode_worker(raw: bytes) -> WorkerInfo:
     """A value of the `workers` hash."""
     return _validated(WorkerInfo.model_validate, raw, "worker info")
+
+
+def decode_prefix_cache(raw: bytes) -> PrefixCacheInfo:
+    """A value of the `prefix_caches` hash."""
+    return _validated(PrefixCacheInfo.model_validate, raw, "prefix cache info")
 
 
 _FAILURES: dict[str, type[RequestFailed]] = {ErrorCode.EXPIRED: RequestExpired}

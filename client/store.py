@@ -19,7 +19,9 @@ from client.protocol import (
     DEFAULT_PREFIX,
     LANES,
     Lane,
+    PrefixCacheInfo,
     WorkerInfo,
+    decode_prefix_cache,
     decode_request,
     decode_worker,
     is_valid_name,
@@ -100,6 +102,11 @@ class Keys:
         """Hash: worker id -> msgpack `WorkerInfo` (the queue's, in partition 0)."""
         return f"{self.home.tag}:workers"
 
+    @property
+    def prefix_caches(self) -> str:
+        """Hash: worker id -> msgpack `PrefixCacheInfo`, beside `workers` (the queue's, in partition 0)."""
+        return f"{self.home.tag}:prefix_caches"
+
     def result(self, request_id: str) -> str:
         """Stream of one request's events; every write refreshes its TTL."""
         return f"{self.tag}:result:{request_id}"
@@ -175,13 +182,19 @@ class QueueStatus:
     dead: int
     workers: list[WorkerInfo] = field(default_factory=list)
     oldest_pending_age_s: float | None = None  # how long the oldest unacknowledged request has been delivered
-    stale_workers: list[str] = field(default_factory=list)  # heartbeats older than `stale_after_s`, or unreadable
+    # Workers gone: heartbeats older than `stale_after_s` or unreadable, and prefix caches of no live worker.
+    stale_workers: list[str] = field(default_factory=list)
     lanes: list[LaneStatus] = field(default_factory=list)  # highest lane first
     tokens_per_s: float | None = None  # the fleet's recent generation rate, as the workers measure it
     partitions: list[PartitionStatus] = field(default_factory=list)  # each partition's share, when there are several
+    prefix_caches: dict[str, PrefixCacheInfo] = field(default_factory=dict)  # by live worker id, where it caches
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "workers": [w.model_dump() for w in self.workers]}
+        return {
+            **asdict(self),
+            "workers": [w.model_dump() for w in self.workers],
+            "prefix_caches": {worker: cache.model_dump() for worker, cache in self.prefix_caches.items()},
+        }
 
 
 def _group_stats(groups: Any, group: bytes) -> tuple[int | None, int | None]:
@@ -194,6 +207,7 @@ def _group_stats(groups: Any, group: bytes) -> tuple[int | None, int | None]:
     return None, None
 
 
+_HEAD = 4  # replies before the lanes' in `queue_status_commands`
 _PER_LANE = 4  # replies per lane in `queue_status_commands`
 
 
@@ -203,6 +217,7 @@ def queue_status_commands(pipe: Any, keys: Keys, partitions: int = 1) -> None:
         pipe.xlen(part.dead)
         pipe.hgetall(part.workers)
         pipe.get(part.fleet_rate)
+        pipe.hgetall(part.prefix_caches)
         for stream in part.lanes.values():
             pipe.xlen(stream)
             pipe.xinfo_groups(stream)
@@ -219,19 +234,19 @@ def queue_cancel_commands(pipe: Any, keys: Keys, request_id: str, ttl: int, *, s
 
 def status_from_replies(queue: str, replies: list[Any], stale_after_s: float) -> QueueStatus:
     """Build `QueueStatus` from the replies to `queue_status_commands`, of one partition or several."""
-    per = 3 + _PER_LANE * len(LANES)
+    per = _HEAD + _PER_LANE * len(LANES)
     parts = [replies[start : start + per] for start in range(0, len(replies), per)]
     return merge_partitions([_partition_status(queue, part, stale_after_s) for part in parts])
 
 
 def _partition_status(queue: str, replies: list[Any], stale_after_s: float) -> QueueStatus:
-    dead, workers_hash, rate = replies[:3]
+    dead, workers_hash, rate, caches = replies[:_HEAD]
     for reply in (dead, workers_hash):
         if isinstance(reply, Exception):
             raise reply
     tokens_per_s = float(rate) if rate and not isinstance(rate, Exception) else None
     lanes = [
-        _lane_status(lane, replies[3 + _PER_LANE * i : 3 + _PER_LANE * (i + 1)], tokens_per_s)
+        _lane_status(lane, replies[_HEAD + _PER_LANE * i : _HEAD + _PER_LANE * (i + 1)], tokens_per_s)
         for i, lane in enumerate(LANES)
     ]
     oldest = ms_now() - int(stale_after_s * 1000)
@@ -246,6 +261,7 @@ def _partition_status(queue: str, replies: list[Any], stale_after_s: float) -> Q
         else:
             stale.append(worker_id.decode() if isinstance(worker_id, bytes) else worker_id)
     workers.sort(key=lambda w: w.id)
+    caches, gone = _prefix_caches(caches, {w.id for w in workers})
     known = [lane for lane in lanes if lane.pending is not None]
     ages = [lane.oldest_pending_age_s for lane in lanes if lane.oldest_pending_age_s is not None]
     return QueueStatus(
@@ -256,10 +272,29 @@ def _partition_status(queue: str, replies: list[Any], stale_after_s: float) -> Q
         dead=dead,
         workers=workers,
         oldest_pending_age_s=max(ages, default=None),
-        stale_workers=sorted(stale),
+        stale_workers=sorted({*stale, *gone}),
         lanes=lanes,
         tokens_per_s=tokens_per_s,
+        prefix_caches=caches,
     )
+
+
+def _prefix_caches(reply: Any, live: set[str]) -> tuple[dict[str, PrefixCacheInfo], list[str]]:
+    """The live workers' prefix caches, and the ids of entries left by workers gone (or unreadable). A Redis that
+    refused the read (it cannot hold the workers' hash then either) shows none."""
+    caches: dict[str, PrefixCacheInfo] = {}
+    gone = []
+    for raw_id, raw in ({} if isinstance(reply, Exception) else reply).items():
+        worker_id = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
+        try:
+            cache = decode_prefix_cache(raw)
+        except MalformedEntry:
+            cache = None
+        if cache is not None and worker_id in live:
+            caches[worker_id] = cache
+        else:
+            gone.append(worker_id)
+    return caches, gone
 
 
 def merge_partitions(statuses: list[QueueStatus]) -> QueueStatus:

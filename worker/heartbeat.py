@@ -11,7 +11,7 @@ from collections.abc import Callable
 from redis.asyncio import Redis
 from structlog.typing import FilteringBoundLogger
 
-from client.protocol import WorkerInfo, encode, ms_now
+from client.protocol import PrefixCacheInfo, WorkerInfo, encode, ms_now
 from client.store import Keys, queue_status_commands, status_from_replies
 from worker.config import Settings
 from worker.engine import GenerationEngine
@@ -48,6 +48,9 @@ class Heartbeat:
         while not finished.is_set():
             try:
                 await self._redis.hset(self._keys.workers, self._settings.worker_id, encode(self.info()))
+                cache = self.prefix_cache()
+                if cache is not None:
+                    await self._redis.hset(self._keys.prefix_caches, self._settings.worker_id, encode(cache))
                 if self._engine.alive:  # the container health check reads this file's age
                     self._settings.health_file.write_text(str(ms_now()))
                 await self._report_queue()
@@ -64,6 +67,7 @@ class Heartbeat:
         self._metrics.set_queue(status)
         if status.stale_workers:
             await self._redis.hdel(self._keys.workers, *status.stale_workers)
+            await self._redis.hdel(self._keys.prefix_caches, *status.stale_workers)
         rate = self._measure_fleet_rate(status.workers)
         if rate is not None:
             ttl = max(10, int(5 * self._settings.heartbeat_s))
@@ -85,6 +89,13 @@ class Heartbeat:
         self._seen, self._rates = seen, rates
         live = [rates[w.id] for w in workers if w.heartbeat >= recent and w.id in rates]
         return sum(live) if live else None
+
+    def prefix_cache(self) -> PrefixCacheInfo | None:
+        """Its prefix cache's counters (None where it has none), beside the heartbeat (`PrefixCacheInfo`)."""
+        stats = self._engine.stats()
+        if stats.prefix_cache_queries is None:
+            return None
+        return PrefixCacheInfo(queries=stats.prefix_cache_queries, hits=stats.prefix_cache_hits or 0)
 
     def info(self) -> WorkerInfo:
         stats = self._engine.stats()

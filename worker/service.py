@@ -113,6 +113,7 @@ class Worker:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(5.0):
                     await self.redis.hdel(self.keys.workers, self.settings.worker_id)
+                    await self.redis.hdel(self.keys.prefix_caches, self.settings.worker_id)
                     await self._leave_group()
             self.log.info("worker stopped")
         if self._helper_failure is not None:

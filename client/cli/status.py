@@ -10,7 +10,7 @@ from dataclasses import asdict
 from client.cli.context import Context
 from client.cli.exits import Exit
 from client.cli.output import warn
-from client.protocol import ms_now
+from client.protocol import PrefixCacheInfo, ms_now
 from client.store import QueueStatus
 
 
@@ -50,9 +50,18 @@ def format_status(status: QueueStatus, previous: QueueStatus | None = None) -> s
         rate = tokens / seconds if seconds > 0 else 0.0
         lines.append(
             f"  {w.id}  running {w.running}  waiting {w.waiting}  kv {kv}  {rate:.1f} tok/s  "
+            f"{prefix_cache(status.prefix_caches.get(w.id))}"
             f"heartbeat {(now - w.heartbeat) / 1000:.1f} s ago  ({w.model} on {w.host})"
         )
     return "\n".join(lines)
+
+
+def prefix_cache(cache: PrefixCacheInfo | None) -> str:
+    """A worker's prefix-cache hit rate in prompt tokens since it started, where it caches."""
+    if cache is None:
+        return ""
+    rate = f"{100 * cache.hits / cache.queries:.0f}%" if cache.queries else "-"
+    return f"prefix cache {rate} of {cache.queries} prompt tokens  "
 
 
 def status(context: Context) -> Exit:

@@ -115,6 +115,7 @@ async def test_status_json(redis_url: str, server: aioredis.Redis, capsys: pytes
         ],
         "tokens_per_s": 100.0,
         "partitions": [],  # one partition: no breakdown
+        "prefix_caches": {},  # no live worker: none
     }
 
 
@@ -152,6 +153,15 @@ async def test_status_text_lists_workers(
     out = capsys.readouterr().out
     assert "depth 0" in out and "live workers: 1" in out
     assert "gpu-worker-1" in out and "running 2" in out and "waiting 3" in out and "25/100 (25%)" in out
+    assert "prefix cache" not in out  # a worker that reports no prefix cache (caching off, or an older release)
+    await server.hset(
+        KEYS.prefix_caches, "gpu-worker-1", protocol.encode(protocol.PrefixCacheInfo(queries=800, hits=600))
+    )
+    await server.hset(KEYS.prefix_caches, "gone-worker", protocol.encode(protocol.PrefixCacheInfo(queries=1, hits=1)))
+    assert await asyncio.to_thread(main, ["status", "--url", redis_url]) == 0
+    out = capsys.readouterr().out
+    [line] = [line for line in out.splitlines() if "gpu-worker-1" in line]
+    assert "prefix cache 75% of 800 prompt tokens" in line and "gone-worker" not in out
 
 
 async def test_cancel(redis_url: str, server: aioredis.Redis, capsys: pytest.CaptureFixture[str]) -> None:

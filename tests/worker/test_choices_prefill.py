@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from client import AsyncChoices, AsyncClient
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.redis
 
@@ -30,3 +31,12 @@ async def test_one_worker_takes_every_choice_and_prefills_their_prompt_once(
     assert busy.prefill_tokens == len(PROMPT) + 3 * (len(PROMPT) - 4 * PAGE)  # the full pages computed once
     assert busy.prefix_cache_hits == 3 * 4 * PAGE
     assert result.usage.prompt_tokens == len(PROMPT) and result.usage.completion_tokens == 4 * 5
+
+    async def status_shows_the_hits() -> bool:  # `llmq status`'s per-worker hit rate reads these
+        caches = (await client.status()).prefix_caches
+        hits = sorted(
+            caches[w.worker.settings.worker_id].hits for w in workers if w.worker.settings.worker_id in caches
+        )
+        return hits == [0, 3 * 4 * PAGE]
+
+    await wait_until(status_shows_the_hits)
