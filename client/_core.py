@@ -502,9 +502,10 @@ class BaseClient:
         base = uuid.uuid4().hex if request_id is None else request_id
         params: dict[str, Any] = fields.pop("params")
         seed = params.get("seed")
+        seeded = type(seed) is int  # anything else is left as it is, for the request's validation to refuse
         return base, [
             self.build_request(
-                prompt, request_id=choice_id, params=params if seed is None else params | {"seed": seed + i}, **fields
+                prompt, request_id=choice_id, params=params | {"seed": seed + i} if seeded else params, **fields
             )
             for i, choice_id in enumerate(choice_ids(base, n))
         ]

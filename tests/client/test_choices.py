@@ -49,6 +49,16 @@ async def test_n_out_of_range_is_refused_before_redis(twin: Twin, server: aiored
     assert await server.xlen(KEYS.requests) == 0
 
 
+@pytest.mark.parametrize("seed", [True, 1.5, "7"])
+async def test_a_seed_of_another_type_is_refused_for_one_choice_or_many(
+    twin: Twin, server: aioredis.Redis, seed: object
+) -> None:
+    for n in (1, 3):
+        with pytest.raises(InvalidRequest, match="seed"):
+            await twin.submit("hi", n=n, seed=seed)
+    assert await server.xlen(KEYS.requests) == 0
+
+
 async def test_a_seed_whose_last_choice_overflows_is_refused_whole(twin: Twin, server: aioredis.Redis) -> None:
     with pytest.raises(InvalidRequest):
         await twin.submit("hi", n=3, seed=protocol.MAX_SEED - 1)
