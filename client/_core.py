@@ -502,10 +502,11 @@ class BaseClient:
         base = uuid.uuid4().hex if request_id is None else request_id
         params: dict[str, Any] = fields.pop("params")
         seed = params.get("seed")
-        seeded = type(seed) is int  # anything else is left as it is, for the request's validation to refuse
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            seed = None  # none, or one the request's validation refuses: every choice carries it as it is
         return base, [
             self.build_request(
-                prompt, request_id=choice_id, params=params | {"seed": seed + i} if seeded else params, **fields
+                prompt, request_id=choice_id, params=params if seed is None else params | {"seed": seed + i}, **fields
             )
             for i, choice_id in enumerate(choice_ids(base, n))
         ]
