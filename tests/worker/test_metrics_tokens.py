@@ -40,5 +40,6 @@ async def test_generation_tokens_count_every_token_the_first_included(start_work
     # a C compiler is on this machine (and CI's): the native kernels run
     assert metrics["llmq:engine_path{component=paged_decode,kernel=compiled}"] == 1
     assert metrics["llmq:engine_path{component=attention,kernel=varlen}"] == 1
-    # prefix sharing is off by default: no prefix-cache series at all, rather than zeros
-    assert not [name for name in metrics if name.startswith("llmq:prefix_cache")]
+    # prefix caching is on by default: both prompts looked up, nothing found (neither fills a page)
+    assert metrics["llmq:prefix_cache_queries_total"] == 4 + 2
+    assert metrics["llmq:prefix_cache_hits_total"] == 0
