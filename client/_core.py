@@ -500,6 +500,10 @@ class BaseClient:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
             raise InvalidRequest(f"n must be a whole number from 1 to {MAX_N}, not {n!r}", request_id)
         base = uuid.uuid4().hex if request_id is None else request_id
+        last = choice_ids(base, n)[-1]
+        if n > 1 and is_valid_name(base) and not is_valid_name(last):
+            message = f"request id {base!r} is too long for n={n}: its last choice's id {last!r} is over 128 characters"
+            raise InvalidRequest(message, request_id, param="id")
         params: dict[str, Any] = fields.pop("params")
         seed = params.get("seed")
         if not isinstance(seed, int) or isinstance(seed, bool):

@@ -139,3 +139,13 @@ async def test_a_partition_that_refuses_part_way_cancels_the_rest_unless_the_cal
     assert await server.xlen(keys.requests) == 1  # the first partition's choice went in
     # Kept for a retry under the call's id, which attaches to it and submits the rest; else stopped.
     assert await server.exists(keys.cancel(f"{call}-0")) == (0 if named else 1)
+
+
+async def test_an_id_too_long_for_its_choices_says_so(twin: Twin, server: aioredis.Redis) -> None:
+    with pytest.raises(InvalidRequest, match="too long for n=2") as caught:
+        await twin.submit("hi", n=2, request_id="x" * 128)
+    assert caught.value.param == "id" and await server.xlen(KEYS.requests) == 0
+    assert [j.id for j in (await twin.submit("hi", n=2, request_id="x" * 126)).job.jobs] == [
+        "x" * 126 + "-0",
+        "x" * 126 + "-1",
+    ]
