@@ -500,7 +500,8 @@ class BaseClient:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
             raise InvalidRequest(f"n must be a whole number from 1 to {MAX_N}, not {n!r}", request_id)
         base = uuid.uuid4().hex if request_id is None else request_id
-        last = choice_ids(base, n)[-1]
+        ids = choice_ids(base, n)
+        last = ids[-1]
         if n > 1 and is_valid_name(base) and not is_valid_name(last):
             message = f"request id {base!r} is too long for n={n}: its last choice's id {last!r} is over 128 characters"
             raise InvalidRequest(message, request_id, param="id")
@@ -512,7 +513,7 @@ class BaseClient:
             self.build_request(
                 prompt, request_id=choice_id, params=params if seed is None else params | {"seed": seed + i}, **fields
             )
-            for i, choice_id in enumerate(choice_ids(base, n))
+            for i, choice_id in enumerate(ids)
         ]
 
     @property
