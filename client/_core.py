@@ -22,6 +22,7 @@ from typing import Any
 from redis.backoff import ExponentialWithJitterBackoff
 
 from client import tracing
+from client.affinity import affinity_key
 from client.backoff import Backoff
 from client.connection import connection_options, redact_url
 from client.errors import Cancelled, ClientClosed, InvalidRequest, LLMQError, MalformedEntry, QueueFull, ResultTimeout
@@ -550,6 +551,7 @@ class BaseClient:
                 first.result_ttl,
                 self.client_id,
                 trace,
+                [affinity_key(request) for request in requests],
             )
         except BaseException as error:
             tracing.end_submit("failed", error=f"{type(error).__name__}: {error}")

@@ -29,6 +29,7 @@ from client.errors import (
 )
 
 __all__ = [
+    "AFFINITY_FIELD",
     "BOUNDS",
     "DEFAULT_MAX_NEW_TOKENS",
     "DEFAULT_PREFIX",
@@ -113,6 +114,10 @@ NOTIFY_FIELD = b"n"
 # too, so a worker that predates it ignores it, and a worker that cannot read it runs the request untraced.
 TRACE_FIELD = b"t"
 MAX_TRACE_BYTES = 4096  # a carrier this big is no trace context: it is ignored on both sides
+# A request entry's optional fourth field: the hash of the start of its prompt (`client.affinity`), by which
+# workers route it to the worker whose prefix cache likely holds that start. Outside the request too, so a worker
+# that predates it ignores it.
+AFFINITY_FIELD = b"k"
 
 # Request ids, queue names and prefixes end up inside key names and hash tags: no braces, no spaces.
 _NAME_CHARS = r"[A-Za-z0-9._:-]{1,128}"

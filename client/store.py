@@ -107,6 +107,21 @@ class Keys:
         """Hash: worker id -> msgpack `PrefixCacheInfo`, beside `workers` (the queue's, in partition 0)."""
         return f"{self.home.tag}:prefix_caches"
 
+    @property
+    def affinity_assigned(self) -> str:
+        """Sorted set of entries read by one worker and assigned to another by cache affinity (`read.lua`)."""
+        return f"{self.tag}:affinity:assigned"
+
+    @property
+    def affinity_workers(self) -> str:
+        """Hash: worker id -> "free slots, epoch ms" as its last read reported them, for cache affinity."""
+        return f"{self.tag}:affinity:workers"
+
+    @property
+    def affinity_wake(self) -> str:
+        """Stream a worker appends to when it assigns an entry to another: the workers' blocking reads wake."""
+        return f"{self.tag}:affinity:wake"
+
     def result(self, request_id: str) -> str:
         """Stream of one request's events; every write refreshes its TTL."""
         return f"{self.tag}:result:{request_id}"

@@ -92,6 +92,7 @@ class ScriptedEngine:
         self._observers: list[Callable[[Step], None]] = []
         self._steps = self._prefill = self._decode = self._generated = self._restarts = 0
         self._finished: Counter[str] = Counter()
+        self.submitted: list[str] = []  # ids of the requests submitted here, in order (which worker ran what)
         self._fail_next = False
         self._closed = False
         self._task: asyncio.Task[None] | None = None
@@ -117,6 +118,7 @@ class ScriptedEngine:
             )
         delivered = len(request.resume.token_ids) if request.resume is not None else 0
         stream = ScriptedStream(request, prompt_ids, delivered)
+        self.submitted.append(request.request_id)
         self._waiting.append(stream)
         self._admit()
         if self._task is None:

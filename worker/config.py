@@ -14,6 +14,7 @@ from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, DotEnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from client.protocol import DEFAULT_PREFIX, LimitSettings
+from client.scripts import Routing
 
 # No value here needs torch, so nothing here imports the engine (which imports torch): `python -m worker.health`
 # reads these settings every 15 s and must stay cheap. The engine sizing defaults below are `EngineConfig`'s;
@@ -136,6 +137,13 @@ class Settings(BaseSettings, LimitSettings):
     lane_share: float = Field(
         0.1, ge=0, le=0.5, description="share of max_running each lower lane (default, batch) keeps while it has work"
     )
+    affinity_wait_ms: int = Field(
+        50,
+        ge=0,
+        le=60_000,
+        description="cache affinity: how long an entry assigned to the worker holding its prefix waits for it before "
+        "this worker takes it; 0 turns routing off (the same on every worker)",
+    )
     preemption: bool = Field(True, description="hand back lower-lane requests to start a waiting interactive one")
     max_preemptions: int = Field(3, ge=0, description="times one request may be preempted; then it runs to the end")
     max_buffered_events: int = Field(100_000, ge=1, description="events held while Redis is down; then intake pauses")
@@ -149,3 +157,8 @@ class Settings(BaseSettings, LimitSettings):
     metrics_address: str = Field("0.0.0.0", description="address the metrics endpoint listens on")
     log_format: Literal["console", "json"] = Field("console", description="console for people, json for machines")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="lowest level logged")
+
+    @property
+    def routing(self) -> Routing:
+        """Cache affinity for the intake: a worker reports at least every read block, so ten of them make it gone."""
+        return Routing(self.affinity_wait_ms, max(3000, 10 * self.read_block_ms))

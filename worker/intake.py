@@ -12,6 +12,7 @@ dead-letter.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,7 @@ from client.protocol import (
     ms_now,
 )
 from client.replication import add_wait, check_acknowledged, pinned_pipeline
+from client.scripts import Routing
 from client.store import CONSUMER_GROUP, Fence, Keys, Scripts
 from worker.leases import Claimed
 from worker.publisher import Target
@@ -310,9 +312,12 @@ class Intake:
         dead_maxlen: int,
         scripts: Scripts | None = None,
         wait_replicas: int = 0,
+        routing: Routing | None = None,
     ) -> None:
         self._redis = redis
         self._keys = keys
+        self._routing = routing or Routing()
+        self.routed: Counter[str] = Counter()  # cache affinity: entries assigned away, taken as assigned, stolen
         self._wait_replicas = wait_replicas
         self._consumer = consumer
         self._limits = limits
@@ -328,23 +333,39 @@ class Intake:
                 if "BUSYGROUP" not in str(error):
                     raise
 
-    async def read(self, free: int, steps: list[tuple[Lane, int]], block_ms: int | None) -> list[Decision]:
+    async def read(
+        self, free: int, steps: list[tuple[Lane, int]], block_ms: int | None, *, report: bool = True
+    ) -> list[Decision]:
         """New entries, at most `free` (the engine's free slots), taken lane by lane as `steps` (lane, wanted)
         say; when there are none, waits at most `block_ms` (None: not at all) for the next entry of any lane
         and returns none. A read that will not wait names only the lanes of its steps, so the script looks at no
-        other stream."""
+        other stream. `report`: `free` is this worker's room, which cache affinity hears (not so for a full
+        worker's look for an interactive request)."""
         asked = {lane for lane, _ in steps}
         lanes = [lane for lane in self._keys.lanes if block_ms is not None or lane in asked]
-        reply = await self._scripts.read.run(self._keys, self._consumer, free, steps, lanes)
+        reply = await self._scripts.read.run(self._keys, self._consumer, free, steps, lanes, self._routing, report)
+        self.routed.update(assigned=reply.assigned, taken=reply.taken, stolen=reply.stolen)
         if reply.entries:
             return [
                 decide(entry.entry_id, entry.fields, self._limits, lane=entry.lane, partition=self._keys.partition)
                 for entry in reply.entries
             ]
         if block_ms is not None:
+            if reply.retry_ms is not None:  # an entry assigned to another worker is ours to take then
+                block_ms = max(1, min(block_ms, reply.retry_ms))
             streams: dict[KeyT, StreamIdT] = {stream: newest for stream, newest in reply.last.items()}
             await self._redis.xread(streams, count=1, block=block_ms)  # only a wake-up: the next call reads
         return []
+
+    async def report_full(self) -> None:
+        """Tells cache affinity this worker has no free slot (`read.lua`'s report, for a worker that reads nothing
+        while full), so no entry is assigned to it and it stays live."""
+        if self._routing.wait_ms > 0:
+            await self._scripts.read.run(self._keys, self._consumer, 0, [], list(self._keys.lanes), self._routing)
+
+    async def leave(self) -> None:
+        """Takes this worker out of cache affinity (it stops or drains): nothing more is assigned to it."""
+        await self._redis.hdel(self._keys.affinity_workers, self._consumer)
 
     def decide_claimed(self, lane: Lane, claimed: list[Claimed]) -> tuple[list[Decision], dict[bytes, int]]:
         """Claimed entries of one lane go through the same decisions but the deadline (they started in time, and

@@ -11,7 +11,7 @@ series.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
@@ -125,6 +125,26 @@ class _PublisherCollector(Collector):
             yield family
 
 
+class _AffinityCollector(Collector):
+    """Cache affinity's moves at scrape time, summed over the partitions' intakes (`Intake.routed`)."""
+
+    def __init__(self, counts: Callable[[], Mapping[str, int]], labels: dict[str, str]) -> None:
+        self._counts = counts
+        self._labels = labels
+
+    def collect(self) -> Iterator[Any]:
+        counts, names, values = self._counts(), list(self._labels), list(self._labels.values())
+        family = CounterMetricFamily(
+            "llmq:affinity_entries",
+            "Entries moved by cache affinity: assigned (read here, given to the worker that holds its prefix), taken "
+            "(given to this worker) or stolen (given to another that did not take it within the wait).",
+            labels=[*names, "outcome"],
+        )
+        for outcome in ("assigned", "taken", "stolen"):
+            family.add_metric([*values, outcome], counts.get(outcome, 0))
+        yield family
+
+
 class Metrics:
     """A worker's metrics in a registry of its own (several workers can share a process in tests)."""
 
@@ -220,6 +240,9 @@ class Metrics:
 
     def watch_publisher(self, stats: PublisherStats) -> None:
         self.registry.register(_PublisherCollector(stats, self._labels))
+
+    def watch_affinity(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        self.registry.register(_AffinityCollector(counts, self._labels))
 
     def serve(self, port: int, address: str = "0.0.0.0") -> None:
         """Serves `/metrics` over HTTP from a daemon thread."""

@@ -39,6 +39,7 @@ def open_partitions(redis: Redis, settings: Settings, scripts: Scripts) -> list[
             settings.dead_letter_maxlen,
             scripts,
             wait_replicas=settings.redis_wait_replicas,
+            routing=settings.routing,
         )
         leases = {
             lane: Leases(redis, keys, settings.worker_id, settings.lease_timeout_s, scripts, lane) for lane in LANES

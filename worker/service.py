@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+from collections import Counter
 from typing import Any
 
 from redis.asyncio import Redis
@@ -64,6 +65,7 @@ class Worker:
         self.log = get_logger(worker=settings.worker_id, queue=settings.queue)
         self.metrics = Metrics(engine, settings.queue, settings.model)
         self.metrics.watch_publisher(self.publisher.stats)
+        self.metrics.watch_affinity(lambda: sum((p.intake.routed for p in self.partitions.all), Counter()))
         self.heartbeat = Heartbeat(
             redis, self.keys, settings, engine, self.metrics, lambda: self.publisher.stats.tokens, self.log
         )
@@ -73,6 +75,7 @@ class Worker:
             for partition in self.partitions.all
         ]
         self._next_claim = 0.0
+        self._full_reported: float | None = None  # when cache affinity last heard this worker is full
         # Helpers stop on this flag, not by cancellation (see `worker.pausing`).
         self._finished = asyncio.Event()
         self._helper_failure: BaseException | None = None
@@ -100,6 +103,7 @@ class Worker:
         self.log.info("worker ready", model=self.settings.model, kv_blocks=self.engine.stats().kv_blocks_total)
         try:
             await self._read_until(stop)
+            await self._leave_affinity()
             await self._drain(hurry or asyncio.Event())
         finally:
             self._finished.set()
@@ -137,6 +141,25 @@ class Worker:
             if not mine:
                 await self.redis.xgroup_delconsumer(stream, CONSUMER_GROUP, self.settings.worker_id)
 
+    async def _report_full(self) -> None:
+        """Full: cache affinity assigns this worker nothing, and still counts it live (so its prefixes stay here).
+        Said when it fills up, then a few times per live period, not at every look for a freed slot."""
+        now = asyncio.get_running_loop().time()
+        if self._full_reported is not None and now - self._full_reported < self.settings.routing.live_ms / 4000:
+            return
+        self._full_reported = now
+        try:
+            for partition in self.partitions.all:
+                await partition.intake.report_full()
+        except REDIS_FAILURES as error:
+            self.log.warning("reporting a full engine failed", error=redact(str(error)))
+
+    async def _leave_affinity(self) -> None:
+        """Stopping: nothing more is assigned to this worker; what was is taken by others after the wait."""
+        with contextlib.suppress(*REDIS_FAILURES):
+            for partition in self.partitions.all:
+                await partition.intake.leave()
+
     async def _ensure_groups(self) -> None:
         for partition in self.partitions.all:
             await partition.intake.ensure_group()
@@ -155,6 +178,8 @@ class Worker:
         while not stop.is_set():
             reraise_lost_cancellation()  # a worker embedded in a program is stopped by cancelling its task, too
             free = self.free_slots()
+            if free == 0:
+                await self._report_full()
             if free == 0 and self.settings.preemption and self._preemptible() is not None:
                 try:
                     await self._preempt_for_interactive()
@@ -168,6 +193,7 @@ class Worker:
                     async with asyncio.timeout(self.settings.read_block_ms / 1000):
                         await self.runs.freed.wait()
                 continue
+            self._full_reported = None
             try:
                 free -= await self._claim(free)
                 await self._read_new(free)
@@ -246,7 +272,7 @@ class Worker:
         block_ms = max(1, min(self.settings.read_block_ms, _PREEMPTIVE_WAIT_MS) // len(order))
         for index, partition in enumerate(order):
             block = block_ms if index == len(order) - 1 else None
-            decisions = await partition.intake.read(1, [("interactive", 1)], block_ms=block)
+            decisions = await partition.intake.read(1, [("interactive", 1)], block_ms=block, report=False)
             if decisions:
                 break
         else:

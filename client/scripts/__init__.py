@@ -13,7 +13,7 @@ one on each node (a Cluster's, a promoted replica) that does not know it yet.
 | `renew.lua` | `Renew` | worker | renews the leases of the entries the worker still owns |
 | `hand_back.lua` | `HandBack` | worker | makes owned entries claimable at once; counts hand-backs and engine failures |
 | `publish.lua` | `Publish` | worker | one flush of result events: fenced, idempotent, acknowledging, per request |
-| `read.lua` | `Read` | worker | new requests, lane by lane, as many as the free slots |
+| `read.lua` | `Read` | worker | new requests, lane by lane, as many as the free slots, routed by cache affinity |
 
 Every key a script touches shares its queue partition's hash tag, so each call is single-slot on a Cluster.
 This module depends on nothing of the package but the protocol and replication modules; `client.store` re-exports
@@ -31,7 +31,7 @@ from importlib import resources
 from string import Template
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from client.protocol import ENTRY_FIELD, LANES, NOTIFY_FIELD, TRACE_FIELD, Lane
+from client.protocol import AFFINITY_FIELD, ENTRY_FIELD, LANES, NOTIFY_FIELD, TRACE_FIELD, Lane
 from client.replication import run_script_async, run_script_sync
 
 if TYPE_CHECKING:
@@ -41,6 +41,7 @@ CONSUMER_GROUP = "workers"
 WAKE_NOTICE = b"r"  # field of a wake stream entry: the result keys a worker just wrote to, space-separated
 WAKE_MAXLEN = 1000  # entries a wake stream keeps (about); a client further behind is covered by its sweep
 WAKE_TTL_S = 600
+AFFINITY_NOTICE = b"a"  # field of an affinity wake entry (`Keys.affinity_wake`): the worker an entry was assigned to
 HANDED_BACK_IDLE_MS = 365 * 24 * 3600 * 1000  # idle "for a year": any worker's next XAUTOCLAIM takes it
 
 
@@ -89,9 +90,11 @@ PUBLISH_ARGS_PER_EVENT = 7  # attempt, ttl, event, seq, size, entry id to acknow
 # Everything the Lua sources name with `${NAME}`: Python's values, written into the source at load time.
 LUA_CONSTANTS: dict[str, str | bytes | int | tuple[str, ...]] = {
     "ENTRY_FIELD": ENTRY_FIELD,
+    "AFFINITY_FIELD": AFFINITY_FIELD,
     "NOTIFY_FIELD": NOTIFY_FIELD,
     "TRACE_FIELD": TRACE_FIELD,
     "WAKE_NOTICE": WAKE_NOTICE,
+    "AFFINITY_NOTICE": AFFINITY_NOTICE,
     "FENCE_ATTEMPT": Fence.ATTEMPT,
     "FENCE_WRITTEN": Fence.WRITTEN,
     "FENCE_HANDED_BACK": Fence.HANDED_BACK,
@@ -165,8 +168,9 @@ class LuaScript:
 
 class Submit(LuaScript):
     """KEYS: the lane's request stream, then each request's idempotency marker. ARGV: the lane's limit (0 = none),
-    the result TTL, the client id, the trace context (`TRACE_FIELD`, b"" for none), then each request's entry.
-    Reply: a `SubmitOutcome` per request (all FULL, or each ADDED or DUPLICATE)."""
+    the result TTL, the client id, the trace context (`TRACE_FIELD`, b"" for none), then per request its entry and
+    its affinity key (`AFFINITY_FIELD`, b"" for none). Reply: a `SubmitOutcome` per request (all FULL, or each
+    ADDED or DUPLICATE)."""
 
     name = "submit"
 
@@ -180,9 +184,11 @@ class Submit(LuaScript):
         ttl_s: int,
         client_id: str,
         trace: bytes = b"",
+        affinities: Sequence[bytes] | None = None,
     ) -> ScriptCall:
         markers = [keys.submitted(request_id) for request_id in request_ids]
-        return ScriptCall([keys.lane(lane), *markers], [limit, ttl_s, client_id, trace, *entries])
+        pairs = [item for pair in zip(entries, affinities or [b""] * len(entries), strict=True) for item in pair]
+        return ScriptCall([keys.lane(lane), *markers], [limit, ttl_s, client_id, trace, *pairs])
 
     @staticmethod
     def parse(reply: Any) -> list[SubmitOutcome]:
@@ -247,35 +253,70 @@ class ReadEntry:
 
 @dataclass(frozen=True, slots=True)
 class ReadReply:
-    """The entries read, in order; when there were none, each lane's stream -> its newest entry id (for XREAD)."""
+    """The entries read, in order. When there were none: each lane's stream, and the affinity wake stream, -> its
+    newest entry id (for XREAD), and `retry_ms`, how soon an entry assigned to another worker may be taken here
+    (None: no such entry). `assigned`, `taken` and `stolen` count this call's affinity moves (`read.lua`)."""
 
     entries: list[ReadEntry]
     last: dict[str, bytes]
+    retry_ms: int | None = None
+    assigned: int = 0
+    taken: int = 0
+    stolen: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """Cache affinity for a worker's reads: `wait_ms` before this worker takes an entry assigned to another that has
+    not taken it (0: this worker routes nothing, reports nothing and takes no assignment: plain pulls); a worker is
+    live while its last report is younger than `live_ms`."""
+
+    wait_ms: int = 0
+    live_ms: int = 5000
+
+
+ROUTED_LANES: frozenset[Lane] = frozenset({"default", "batch"})  # an interactive request is never held back
 
 
 class Read(LuaScript):
-    """KEYS: the lanes' request streams. ARGV: group, consumer, free, then pairs of (1-based lane index, wanted).
-    Reply: `ReadReply`."""
+    """KEYS: the lanes' request streams, then the queue partition's affinity set, workers hash and wake stream. ARGV:
+    group, consumer, free, wait ms, live ms, whether to report the free slots left, the number of lanes and their
+    names, then triples of (1-based lane index, wanted, routed). Reply: `ReadReply`."""
 
     name = "read"
 
     @staticmethod
     def parse(keys: Keys, lanes: Sequence[Lane], reply: Any) -> ReadReply:
-        read, last = reply
+        read, last, retry, counts = reply
         entries = [
             ReadEntry(lanes[int(index) - 1], _bytes(entry_id), dict(zip(flat[::2], flat[1::2], strict=True)))
             for index, entry_id, flat in read
         ]
-        return ReadReply(entries, {keys.lane(lane): _bytes(newest) for lane, newest in zip(lanes, last, strict=False)})
+        streams = [*(keys.lane(lane) for lane in lanes), keys.affinity_wake]
+        newest = {stream: _bytes(entry_id) for stream, entry_id in zip(streams, last, strict=False)}
+        assigned, taken, stolen = (int(count) for count in counts)
+        return ReadReply(entries, newest, int(retry) if int(retry) >= 0 else None, assigned, taken, stolen)
 
     async def run(
-        self, keys: Keys, consumer: str, free: int, steps: Sequence[tuple[Lane, int]], lanes: Sequence[Lane] = LANES
+        self,
+        keys: Keys,
+        consumer: str,
+        free: int,
+        steps: Sequence[tuple[Lane, int]],
+        lanes: Sequence[Lane] = LANES,
+        routing: Routing = Routing(),
+        report: bool = True,
     ) -> ReadReply:
-        """At most `free` new entries of `lanes`, taken as `steps` (lane, wanted) say."""
-        args: list[Any] = [CONSUMER_GROUP, consumer, free]
+        """At most `free` new entries of `lanes`, taken as `steps` (lane, wanted) say, routed by `routing`; with
+        `report`, the free slots left are this worker's room for cache affinity."""
+        args: list[Any] = [CONSUMER_GROUP, consumer, free, routing.wait_ms, routing.live_ms, int(report), len(lanes)]
+        args += lanes
         for lane, wanted in steps:
-            args += [lanes.index(lane) + 1, wanted]
-        reply = await self.registered(keys=[keys.lane(lane) for lane in lanes], args=args)
+            args += [lanes.index(lane) + 1, wanted, int(lane in ROUTED_LANES)]
+        streams = [keys.lane(lane) for lane in lanes]
+        reply = await self.registered(
+            keys=[*streams, keys.affinity_assigned, keys.affinity_workers, keys.affinity_wake], args=args
+        )
         return self.parse(keys, lanes, reply)
 
 

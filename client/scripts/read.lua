@@ -1,26 +1,177 @@
--- A worker's read, lanes in order: per step (lane, wanted) an XREADGROUP of at most `wanted` new entries, while
--- `free` slots last, so a full worker takes nothing and the steps decide the lanes' shares. KEYS: the lanes'
--- request streams; ARGV: group, consumer, free, then pairs of (1-based lane index, wanted). Returns the entries
--- read as {lane index, id, fields} and, when there were none, each lane's last entry id: an XREAD BLOCK from
--- those ids wakes on the next entry without missing one added meanwhile.
-local free, read = tonumber(ARGV[3]), {}
-for i = 4, #ARGV - 1, 2 do
-  local lane, wanted = tonumber(ARGV[i]), math.min(tonumber(ARGV[i + 1]), free)
-  if wanted > 0 then
-    local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', wanted, 'STREAMS', KEYS[lane], '>')
-    if reply then
-      for _, entry in ipairs(reply[1][2]) do
-        read[#read + 1] = {lane, entry[1], entry[2]}
+-- A worker's read, lanes in order: per step (lane, wanted, routed) at most `wanted` entries, while `free` slots last,
+-- so a full worker takes nothing and the steps decide the lanes' shares.
+--
+-- Cache affinity (`worker.affinity`), on the lanes a step marks routed: an entry whose affinity key
+-- (`AFFINITY_FIELD`) belongs to another live worker (rendezvous hashing over the workers that reported lately)
+-- that has a free slot is not taken but assigned to it: moved to its pending list (XCLAIM JUSTID, so no delivery
+-- is counted), noted in the `assigned` set and announced on the `wake` stream. A worker takes what was assigned to
+-- it before new entries, and anyone takes an assignment older than `wait` ms (its worker is slow, full or dead).
+-- An entry whose owner has no free slot is taken by whoever read it: affinity never leaves a slot empty while
+-- requests wait. A worker with routing off (wait 0) takes no assignment: it reads as if affinity did not exist,
+-- and what was given to a dead worker is taken by a routing worker after its wait, or by a lease claim.
+-- A call that says so reports this worker's free slots left, with the time, in the `workers` hash.
+--
+-- KEYS: the lanes' request streams, then the `assigned` sorted set (score: when; member: "lane id deliveries
+-- worker"), the `workers` hash (worker -> "free ms") and the `wake` stream. ARGV: group, consumer, free, wait ms (0:
+-- route nothing), live ms (how recent a report makes a worker live), 1 to report the free slots left (0: `free` is
+-- not this worker's room, say a full worker's look for one interactive request), the number of lanes, their names,
+-- then triples of (1-based lane index, wanted, 1 if routed). Returns the entries read as {lane index, id, fields}; when
+-- there were none, each lane's last entry id and the wake stream's (an XREAD BLOCK from those ids wakes on the next
+-- entry or assignment without missing one added meanwhile) and the ms until another worker's assignment may be
+-- taken (-1: none); and the counts {assigned to others, taken of this worker's, taken of others'}.
+local group, me, free = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local wait, live, report, lanes = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]) == 1, tonumber(ARGV[7])
+local assigned, workers, wake = KEYS[lanes + 1], KEYS[lanes + 2], KEYS[lanes + 3]
+local names = {}
+for i = 1, lanes do
+  names[i] = ARGV[7 + i]
+end
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local read, counts = {}, {0, 0, 0}
+
+-- The live workers, each with its free slots and when it reported them.
+local owners, room, seen = {}, {}, {}
+if wait > 0 then
+  local flat = redis.call('HGETALL', workers)
+  for i = 1, #flat, 2 do
+    local slots, at = string.match(flat[i + 1], '^(%-?%d+) (%d+)')
+    local age = at and now - tonumber(at) or math.huge
+    if age <= live then
+      owners[#owners + 1] = flat[i]
+      room[flat[i]], seen[flat[i]] = tonumber(slots), at
+    elseif age > 10 * live then
+      redis.call('HDEL', workers, flat[i])
+    end
+  end
+  if room[me] == nil then
+    owners[#owners + 1] = me
+  end
+end
+
+local function owner_of(key)
+  local best, top = me, nil
+  for _, worker in ipairs(owners) do
+    local score = redis.sha1hex(worker .. '\n' .. key)
+    if top == nil or score > top then
+      best, top = worker, score
+    end
+  end
+  return best
+end
+
+local function field(fields, name)
+  for i = 1, #fields - 1, 2 do
+    if fields[i] == name then
+      return fields[i + 1]
+    end
+  end
+  return nil
+end
+
+-- Takes up to `wanted` assignments of lane `lane`: this worker's, then any past the wait. An assignment is taken
+-- only while its entry is still pending to its worker with the deliveries it had (else a lease claim moved it on).
+local function take_assigned(lane, wanted)
+  local got = 0
+  local members = redis.call('ZRANGE', assigned, 0, -1, 'WITHSCORES')
+  for i = 1, #members, 2 do
+    if got >= wanted then
+      break
+    end
+    local name, id, deliveries, worker = string.match(members[i], '^(%S+) (%S+) (%d+) (%S+)')
+    local mine = worker == me
+    if name == nil then
+      redis.call('ZREM', assigned, members[i])
+    elseif name == names[lane] and (mine or tonumber(members[i + 1]) + wait <= now) then
+      redis.call('ZREM', assigned, members[i])
+      local pending = redis.call('XPENDING', KEYS[lane], group, id, id, 1)
+      if pending[1] and pending[1][2] == worker and tonumber(pending[1][4]) == tonumber(deliveries) then
+        redis.call('XCLAIM', KEYS[lane], group, me, 0, id, 'JUSTID')
+        local entry = redis.call('XRANGE', KEYS[lane], id, id)
+        if entry[1] then
+          read[#read + 1] = {lane, id, entry[1][2]}
+          got = got + 1
+          if mine then
+            counts[2] = counts[2] + 1
+          else
+            counts[3] = counts[3] + 1
+          end
+        end
       end
-      free = free - #reply[1][2]
+    end
+  end
+  return got
+end
+
+-- Assigns a new entry to its key's owner when that is another live worker with a free slot; false: take it here.
+local function assign(lane, id, fields)
+  local key = field(fields, ${AFFINITY_FIELD})
+  if key == nil then
+    return false
+  end
+  local owner = owner_of(key)
+  if owner == me or (room[owner] or 0) <= 0 then
+    return false
+  end
+  redis.call('XCLAIM', KEYS[lane], group, owner, 0, id, 'JUSTID')
+  redis.call('ZADD', assigned, now, names[lane] .. ' ' .. id .. ' ' .. 1 .. ' ' .. owner)
+  redis.call('PEXPIRE', assigned, 10 * live)
+  room[owner] = room[owner] - 1
+  redis.call('HSET', workers, owner, room[owner] .. ' ' .. seen[owner])
+  redis.call('XADD', wake, 'MAXLEN', '~', 100, '*', ${AFFINITY_NOTICE}, owner)
+  redis.call('PEXPIRE', wake, 10 * live)
+  counts[1] = counts[1] + 1
+  return true
+end
+
+for i = 8 + lanes, #ARGV - 2, 3 do
+  local lane, routed = tonumber(ARGV[i]), tonumber(ARGV[i + 2]) == 1
+  local wanted = math.min(tonumber(ARGV[i + 1]), free)
+  if wanted > 0 and routed and wait > 0 then
+    local got = take_assigned(lane, wanted)
+    wanted, free = wanted - got, free - got
+  end
+  -- Entries assigned away leave their slots free: read again, a bounded number of times (each assignment uses a
+  -- free slot another worker reported, so they run out).
+  local rounds = 0
+  while wanted > 0 and rounds < 8 do
+    rounds = rounds + 1
+    local asked = wanted
+    local reply = redis.call('XREADGROUP', 'GROUP', group, me, 'COUNT', asked, 'STREAMS', KEYS[lane], '>')
+    if not reply then
+      break
+    end
+    local entries = reply[1][2]
+    for _, entry in ipairs(entries) do
+      if not (routed and wait > 0 and assign(lane, entry[1], entry[2])) then
+        read[#read + 1] = {lane, entry[1], entry[2]}
+        wanted, free = wanted - 1, free - 1
+      end
+    end
+    if #entries < asked then
+      break
     end
   end
 end
-local last = {}
+
+if wait > 0 and report then
+  redis.call('HSET', workers, me, math.max(free, 0) .. ' ' .. now)
+  redis.call('PEXPIRE', workers, 10 * live)
+end
+
+local last, retry = {}, -1
 if #read == 0 then
-  for lane = 1, #KEYS do
-    local newest = redis.call('XREVRANGE', KEYS[lane], '+', '-', 'COUNT', 1)
+  for lane = 1, lanes + 1 do
+    local stream = lane <= lanes and KEYS[lane] or wake
+    local newest = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
     last[lane] = newest[1] and newest[1][1] or '0-0'
   end
+  local members = redis.call('ZRANGE', assigned, 0, -1, 'WITHSCORES')
+  for i = 1, #members, 2 do
+    local due = tonumber(members[i + 1]) + wait - now
+    if due > 0 and string.sub(members[i], -#me - 1) ~= ' ' .. me and (retry < 0 or due < retry) then
+      retry = due
+    end
+  end
 end
-return {read, last}
+return {read, last, retry, counts}

@@ -1,0 +1,193 @@
+"""Cache affinity in the read script (`read.lua`), against a real redis-server: an entry goes to the live worker its
+key hashes to when that worker has a free slot, the owner takes it first, anyone takes it after the wait, and
+nothing is routed that must not wait (interactive requests, a full owner, a worker gone quiet)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from client.protocol import AFFINITY_FIELD, Lane
+from client.scripts import CONSUMER_GROUP, ReadReply, Routing, Scripts
+from client.store import Keys
+from worker.intake import Intake
+
+KEYS = Keys("affinity")
+ROUTING = Routing(wait_ms=200, live_ms=3000)
+ENTRY = {b"m": b"x"}
+
+
+@pytest.fixture
+async def conn(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_url)
+    for stream in KEYS.lanes.values():
+        await client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+    yield client
+    await client.aclose()
+
+
+def owned_by(owner: str, others: list[str]) -> bytes:
+    """A key that rendezvous hashing gives to `owner` among `owner` and `others`."""
+
+    def score(worker: str, key: str) -> str:
+        return hashlib.sha1(f"{worker}\n{key}".encode()).hexdigest()
+
+    for i in range(1000):
+        key = f"k{i:04d}"
+        if all(score(owner, key) > score(other, key) for other in others):
+            return key.encode()
+    raise AssertionError("no key found")
+
+
+async def read(lib: Scripts, worker: str, free: int, lane: Lane = "default", routing: Routing = ROUTING) -> ReadReply:
+    return await lib.read.run(KEYS, worker, free, [(lane, free)], [lane], routing)
+
+
+async def add(conn: aioredis.Redis, key: bytes | None, lane: Lane = "default") -> bytes:
+    fields = dict(ENTRY) if key is None else {**ENTRY, AFFINITY_FIELD: key}
+    entry_id: bytes = await conn.xadd(KEYS.lane(lane), fields)  # type: ignore[arg-type]
+    return entry_id
+
+
+async def deliveries(conn: aioredis.Redis, entry_id: bytes, lane: Lane = "default") -> tuple[str, int]:
+    [info] = await conn.xpending_range(KEYS.lane(lane), CONSUMER_GROUP, min=entry_id, max=entry_id, count=1)
+    return info["consumer"].decode(), int(info["times_delivered"])
+
+
+async def test_an_entry_goes_to_the_worker_its_key_hashes_to_and_counts_one_delivery(conn: aioredis.Redis) -> None:
+    lib = Scripts.register(conn)
+    await read(lib, "a", 4)  # both report a free slot: both live
+    await read(lib, "b", 4)
+    entry_id = await add(conn, owned_by("b", ["a"]))
+    by_a = await read(lib, "a", 4)
+    assert by_a.entries == [] and by_a.assigned == 1
+    assert await deliveries(conn, entry_id) == ("b", 1)  # in b's pending list, not yet counted twice
+    assert (await conn.hget(KEYS.affinity_workers, "b") or b"").startswith(b"3 ")  # one of b's 4 slots is spoken for
+    by_b = await read(lib, "b", 4)
+    assert [e.entry_id for e in by_b.entries] == [entry_id] and by_b.taken == 1
+    assert await deliveries(conn, entry_id) == ("b", 1)
+    assert await conn.zcard(KEYS.affinity_assigned) == 0
+
+
+async def test_the_owner_of_a_key_takes_its_entries_itself_and_entries_without_a_key_go_to_whoever_reads(
+    conn: aioredis.Redis,
+) -> None:
+    lib = Scripts.register(conn)
+    await read(lib, "a", 4)
+    await read(lib, "b", 4)
+    mine, plain = await add(conn, owned_by("a", ["b"])), await add(conn, None)
+    got = await read(lib, "a", 4)
+    assert [e.entry_id for e in got.entries] == [mine, plain] and got.assigned == 0
+
+
+async def test_a_full_owner_gets_nothing_so_no_slot_stays_empty_while_requests_wait(conn: aioredis.Redis) -> None:
+    lib = Scripts.register(conn)
+    await read(lib, "b", 0)  # b reports no free slot
+    await read(lib, "a", 4)
+    entry_id = await add(conn, owned_by("b", ["a"]))
+    got = await read(lib, "a", 4)
+    assert [e.entry_id for e in got.entries] == [entry_id] and got.assigned == 0
+
+
+async def test_an_owner_gets_no_more_than_the_slots_it_reported(conn: aioredis.Redis) -> None:
+    lib = Scripts.register(conn)
+    await read(lib, "b", 2)
+    await read(lib, "a", 8)
+    key = owned_by("b", ["a"])
+    ids = [await add(conn, key) for _ in range(5)]
+    got = await read(lib, "a", 8)
+    assert got.assigned == 2 and [e.entry_id for e in got.entries] == ids[2:]
+
+
+async def test_an_assignment_not_taken_within_the_wait_is_taken_by_anyone(conn: aioredis.Redis) -> None:
+    lib = Scripts.register(conn)
+    await read(lib, "b", 4)  # b reports, then never reads again: slow, or killed
+    await read(lib, "a", 4)
+    entry_id = await add(conn, owned_by("b", ["a"]))
+    first = await read(lib, "a", 4)
+    assert first.assigned == 1
+    early = await read(lib, "a", 4)
+    assert early.entries == [] and early.retry_ms is not None and 0 < early.retry_ms <= ROUTING.wait_ms
+    await asyncio.sleep(early.retry_ms / 1000 + 0.02)
+    late = await read(lib, "a", 4)
+    assert [e.entry_id for e in late.entries] == [entry_id] and late.stolen == 1
+    assert await deliveries(conn, entry_id) == ("a", 1)
+
+
+async def test_an_assignment_a_lease_claim_took_meanwhile_is_dropped(conn: aioredis.Redis) -> None:
+    lib = Scripts.register(conn)
+    await read(lib, "b", 4)
+    await read(lib, "a", 4)
+    entry_id = await add(conn, owned_by("b", ["a"]))
+    assert (await read(lib, "a", 4)).assigned == 1
+    await conn.xautoclaim(KEYS.requests, CONSUMER_GROUP, "c", 0, start_id="0-0")  # a lease claim: delivery 2
+    by_b = await read(lib, "b", 4)
+    assert by_b.entries == [] and await conn.zcard(KEYS.affinity_assigned) == 0
+    assert await deliveries(conn, entry_id) == ("c", 2)
+
+
+async def test_interactive_entries_are_never_routed(conn: aioredis.Redis) -> None:
+    lib = Scripts.register(conn)
+    await read(lib, "b", 4, "interactive")
+    await read(lib, "a", 4, "interactive")
+    entry_id = await add(conn, owned_by("b", ["a"]), "interactive")
+    got = await read(lib, "a", 4, "interactive")
+    assert [e.entry_id for e in got.entries] == [entry_id] and got.assigned == 0
+
+
+async def test_a_worker_that_has_not_reported_lately_owns_nothing(conn: aioredis.Redis) -> None:
+    lib = Scripts.register(conn)
+    await read(lib, "a", 4)
+    await conn.hset(KEYS.affinity_workers, "b", "4 1000")  # reported in 1970: gone
+    key = owned_by("b", ["a"])
+    entry_id = await add(conn, key)
+    got = await read(lib, "a", 4)
+    assert [e.entry_id for e in got.entries] == [entry_id] and got.assigned == 0
+    assert not await conn.hexists(KEYS.affinity_workers, "b")  # long gone: pruned
+
+
+async def test_routing_off_takes_what_it_reads(conn: aioredis.Redis) -> None:
+    lib = Scripts.register(conn)
+    await read(lib, "b", 4)
+    entry_id = await add(conn, owned_by("b", ["a"]))
+    got = await read(lib, "a", 4, routing=Routing(wait_ms=0))
+    assert [e.entry_id for e in got.entries] == [entry_id] and got.assigned == 0
+
+
+async def test_a_full_worker_reports_it_and_a_stopping_one_leaves(conn: aioredis.Redis, redis_url: str) -> None:
+    lib = Scripts.register(conn)
+    intake = Intake(conn, KEYS, "b", limits=None, dead_maxlen=10, scripts=lib, routing=ROUTING)  # type: ignore[arg-type]
+    await read(lib, "b", 4)
+    await intake.report_full()
+    assert (await conn.hget(KEYS.affinity_workers, "b") or b"").startswith(b"0 ")
+    await read(lib, "a", 4)
+    entry_id = await add(conn, owned_by("b", ["a"]))
+    assert [e.entry_id for e in (await read(lib, "a", 4)).entries] == [entry_id]
+    await intake.leave()
+    assert not await conn.hexists(KEYS.affinity_workers, "b")
+
+
+async def test_a_full_workers_look_for_an_interactive_request_does_not_report_room(conn: aioredis.Redis) -> None:
+    lib = Scripts.register(conn)
+    await read(lib, "b", 0)
+    await lib.read.run(KEYS, "b", 1, [("interactive", 1)], ["interactive"], ROUTING, report=False)
+    assert (await conn.hget(KEYS.affinity_workers, "b") or b"").startswith(b"0 ")
+    await read(lib, "a", 4)
+    entry_id = await add(conn, owned_by("b", ["a"]))
+    assert [e.entry_id for e in (await read(lib, "a", 4)).entries] == [entry_id]  # b is full: a runs it
+
+
+async def test_a_worker_with_routing_off_takes_no_assignment_and_reports_nothing(conn: aioredis.Redis) -> None:
+    lib = Scripts.register(conn)
+    await read(lib, "b", 4)
+    await read(lib, "a", 4)
+    entry_id = await add(conn, owned_by("b", ["a"]))
+    assert (await read(lib, "a", 4)).assigned == 1
+    await asyncio.sleep(ROUTING.wait_ms / 1000 + 0.05)
+    off = await read(lib, "c", 4, routing=Routing(wait_ms=0))
+    assert off.entries == [] and off.stolen == 0 and not await conn.hexists(KEYS.affinity_workers, "c")
+    assert [e.entry_id for e in (await read(lib, "a", 4)).entries] == [entry_id]  # a routing worker does
