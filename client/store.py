@@ -122,6 +122,33 @@ class Keys:
         """Stream a worker appends to when it assigns an entry to another: the workers' blocking reads wake."""
         return f"{self.tag}:affinity:wake"
 
+    @property
+    def affinity_holders(self) -> str:
+        """Hash: affinity key -> the worker that holds it (its requests go there), for cache affinity."""
+        return f"{self.tag}:affinity:holders"
+
+    @property
+    def affinity_used(self) -> str:
+        """Sorted set of affinity keys by when a request last used one (unused ones lose their holder)."""
+        return f"{self.tag}:affinity:used"
+
+    @property
+    def affinity_loads(self) -> str:
+        """Hash: worker id -> how many affinity keys it holds (new keys go to the live worker with fewest)."""
+        return f"{self.tag}:affinity:loads"
+
+    @property
+    def affinity(self) -> list[str]:
+        """Every key of cache affinity, in the order `read.lua` takes them."""
+        return [
+            self.affinity_assigned,
+            self.affinity_workers,
+            self.affinity_wake,
+            self.affinity_holders,
+            self.affinity_used,
+            self.affinity_loads,
+        ]
+
     def result(self, request_id: str) -> str:
         """Stream of one request's events; every write refreshes its TTL."""
         return f"{self.tag}:result:{request_id}"

@@ -269,18 +269,19 @@ class ReadReply:
 class Routing:
     """Cache affinity for a worker's reads: `wait_ms` before this worker takes an entry assigned to another that has
     not taken it (0: this worker routes nothing, reports nothing and takes no assignment: plain pulls); a worker is
-    live while its last report is younger than `live_ms`."""
+    live while its last report is younger than `live_ms`; a key keeps its holder while used within `hold_ms`."""
 
     wait_ms: int = 0
     live_ms: int = 5000
+    hold_ms: int = 600_000  # a key unused this long is forgotten: its next request goes to the least loaded worker
 
 
 ROUTED_LANES: frozenset[Lane] = frozenset({"default", "batch"})  # an interactive request is never held back
 
 
 class Read(LuaScript):
-    """KEYS: the lanes' request streams, then the queue partition's affinity set, workers hash and wake stream. ARGV:
-    group, consumer, free, wait ms, live ms, whether to report the free slots left, the number of lanes and their
+    """KEYS: the lanes' request streams, then the queue partition's affinity keys (`Keys.affinity`). ARGV: group,
+    consumer, free, wait ms, live ms, hold ms, whether to report the free slots left, the number of lanes and their
     names, then triples of (1-based lane index, wanted, routed). Reply: `ReadReply`."""
 
     name = "read"
@@ -309,13 +310,13 @@ class Read(LuaScript):
     ) -> ReadReply:
         """At most `free` new entries of `lanes`, taken as `steps` (lane, wanted) say, routed by `routing`; with
         `report`, the free slots left are this worker's room for cache affinity."""
-        args: list[Any] = [CONSUMER_GROUP, consumer, free, routing.wait_ms, routing.live_ms, int(report), len(lanes)]
-        args += lanes
+        args: list[Any] = [CONSUMER_GROUP, consumer, free, routing.wait_ms, routing.live_ms, routing.hold_ms]
+        args += [int(report), len(lanes), *lanes]
         for lane, wanted in steps:
             args += [lanes.index(lane) + 1, wanted, int(lane in ROUTED_LANES)]
         streams = [keys.lane(lane) for lane in lanes]
         reply = await self.registered(
-            keys=[*streams, keys.affinity_assigned, keys.affinity_workers, keys.affinity_wake], args=args
+            keys=[*streams, *keys.affinity], args=args
         )
         return self.parse(keys, lanes, reply)
 

@@ -1,30 +1,34 @@
 -- A worker's read, lanes in order: per step (lane, wanted, routed) at most `wanted` entries, while `free` slots last,
 -- so a full worker takes nothing and the steps decide the lanes' shares.
 --
--- Cache affinity (`worker.affinity`), on the lanes a step marks routed: an entry whose affinity key
--- (`AFFINITY_FIELD`) belongs to another live worker (rendezvous hashing over the workers that reported lately)
--- that has a free slot is not taken but assigned to it: moved to its pending list (XCLAIM JUSTID, so no delivery
--- is counted), noted in the `assigned` set and announced on the `wake` stream. A worker takes what was assigned to
--- it before new entries, and anyone takes an assignment older than `wait` ms (its worker is slow, full or dead).
--- An entry whose owner has no free slot is taken by whoever read it: affinity never leaves a slot empty while
--- requests wait. A worker with routing off (wait 0) takes no assignment: it reads as if affinity did not exist,
--- and what was given to a dead worker is taken by a routing worker after its wait, or by a lease claim.
--- A call that says so reports this worker's free slots left, with the time, in the `workers` hash.
+-- Cache affinity (`docs/workers.md`), on the lanes a step marks routed: each affinity key (`AFFINITY_FIELD`) has a
+-- holder among the live workers (those that reported lately; see `owner_of`). An entry whose key another worker
+-- holds, when that worker has a free slot, is not taken but assigned to it: moved to its pending list (XCLAIM
+-- JUSTID, so no delivery is counted), noted in the `assigned` set and announced on the `wake` stream. A worker takes
+-- what was assigned to it before new entries, and any routing worker takes an assignment older than its `wait` ms
+-- (its worker is slow, full or dead). An entry whose holder has no free slot is taken by whoever read it: affinity
+-- never leaves a slot empty while requests wait. A worker with routing off (wait 0) reports nothing and takes no
+-- assignment: it reads as if affinity did not exist. A call that says so reports this worker's free slots left,
+-- with the time, in the `workers` hash.
 --
 -- KEYS: the lanes' request streams, then the `assigned` sorted set (score: when; member: "lane id deliveries
--- worker"), the `workers` hash (worker -> "free ms") and the `wake` stream. ARGV: group, consumer, free, wait ms (0:
--- route nothing), live ms (how recent a report makes a worker live), 1 to report the free slots left (0: `free` is
--- not this worker's room, say a full worker's look for one interactive request), the number of lanes, their names,
--- then triples of (1-based lane index, wanted, 1 if routed). Returns the entries read as {lane index, id, fields}; when
--- there were none, each lane's last entry id and the wake stream's (an XREAD BLOCK from those ids wakes on the next
--- entry or assignment without missing one added meanwhile) and the ms until another worker's assignment may be
--- taken (-1: none); and the counts {assigned to others, taken of this worker's, taken of others'}.
+-- worker"), the `workers` hash (worker -> "free ms"), the `wake` stream, the `holders` hash (key -> worker), the
+-- `used` sorted set (key by last use) and the `loads` hash (worker -> keys held). ARGV: group, consumer, free, wait
+-- ms (0: route nothing), live ms (how recent a report makes a worker live), hold ms (how long an unused key keeps
+-- its holder), 1 to report the free slots left (0: `free` is not this worker's room, say a full worker's look for
+-- one interactive request), the number of lanes, their names, then triples of (1-based lane index, wanted, 1 if
+-- routed). Returns the entries read as {lane index, id, fields}; when there were none, each lane's last entry id
+-- and the wake stream's (an XREAD BLOCK from those ids wakes on the next entry or assignment without missing one
+-- added meanwhile) and the ms until another worker's assignment may be taken (-1: none); and the counts {assigned
+-- to others, taken of this worker's, taken of others'}.
 local group, me, free = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local wait, live, report, lanes = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]) == 1, tonumber(ARGV[7])
+local wait, live, hold = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local report, lanes = tonumber(ARGV[7]) == 1, tonumber(ARGV[8])
 local assigned, workers, wake = KEYS[lanes + 1], KEYS[lanes + 2], KEYS[lanes + 3]
+local holders, used, loads = KEYS[lanes + 4], KEYS[lanes + 5], KEYS[lanes + 6]
 local names = {}
 for i = 1, lanes do
-  names[i] = ARGV[7 + i]
+  names[i] = ARGV[8 + i]
 end
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
@@ -49,15 +53,58 @@ if wait > 0 then
   end
 end
 
-local function owner_of(key)
-  local best, top = me, nil
+-- The keys' holders: a key's entries go to the worker that holds it while that worker is live and holds no
+-- more than one key above the least loaded live worker; else (a new key, a dead holder, an uneven fleet, say one
+-- just joined) to the live worker holding the fewest keys, ties broken by rendezvous hashing, and that worker
+-- holds it from then on. A key unused for `hold` ms is forgotten.
+local load = {}
+if wait > 0 then
+  local stale = redis.call('ZRANGEBYSCORE', used, '-inf', now - hold, 'LIMIT', 0, 32)
+  for _, key in ipairs(stale) do
+    local holder = redis.call('HGET', holders, key)
+    if holder then
+      redis.call('HINCRBY', loads, holder, -1)
+    end
+    redis.call('HDEL', holders, key)
+    redis.call('ZREM', used, key)
+  end
+  local counts = redis.call('HMGET', loads, unpack(owners))
+  for i, worker in ipairs(owners) do
+    load[worker] = math.max(tonumber(counts[i]) or 0, 0)
+  end
+end
+
+local function least_loaded(key)
+  local best, fewest, top = me, nil, nil
   for _, worker in ipairs(owners) do
     local score = redis.sha1hex(worker .. '\n' .. key)
-    if top == nil or score > top then
-      best, top = worker, score
+    if fewest == nil or load[worker] < fewest or (load[worker] == fewest and score > top) then
+      best, fewest, top = worker, load[worker], score
     end
   end
-  return best
+  return best, fewest
+end
+
+local function owner_of(key)
+  local holder = redis.call('HGET', holders, key)
+  local least, fewest = least_loaded(key)
+  redis.call('ZADD', used, now, key)
+  redis.call('PEXPIRE', used, 2 * hold)
+  if holder and load[holder] ~= nil and load[holder] - fewest < 2 then
+    return holder
+  end
+  if holder then
+    redis.call('HINCRBY', loads, holder, -1)
+    if load[holder] ~= nil then
+      load[holder] = load[holder] - 1
+    end
+  end
+  redis.call('HSET', holders, key, least)
+  redis.call('HINCRBY', loads, least, 1)
+  redis.call('PEXPIRE', holders, 2 * hold)
+  redis.call('PEXPIRE', loads, 2 * hold)
+  load[least] = load[least] + 1
+  return least
 end
 
 local function field(fields, name)
@@ -124,7 +171,7 @@ local function assign(lane, id, fields)
   return true
 end
 
-for i = 8 + lanes, #ARGV - 2, 3 do
+for i = 9 + lanes, #ARGV - 2, 3 do
   local lane, routed = tonumber(ARGV[i]), tonumber(ARGV[i + 2]) == 1
   local wanted = math.min(tonumber(ARGV[i + 1]), free)
   if wanted > 0 and routed and wait > 0 then

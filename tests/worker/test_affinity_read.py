@@ -191,3 +191,54 @@ async def test_a_worker_with_routing_off_takes_no_assignment_and_reports_nothing
     off = await read(lib, "c", 4, routing=Routing(wait_ms=0))
     assert off.entries == [] and off.stolen == 0 and not await conn.hexists(KEYS.affinity_workers, "c")
     assert [e.entry_id for e in (await read(lib, "a", 4)).entries] == [entry_id]  # a routing worker does
+
+
+async def holder_after_read(lib: Scripts, conn: aioredis.Redis, reader: str, key: bytes) -> str:
+    """Who a new entry of `key` goes to when `reader` reads it (the reader itself, or the worker given it)."""
+    entry_id = await add(conn, key)
+    got = await read(lib, reader, 8)
+    if [e.entry_id for e in got.entries] == [entry_id]:
+        await conn.xack(KEYS.requests, CONSUMER_GROUP, entry_id)
+        return reader
+    worker, _ = await deliveries(conn, entry_id)
+    await conn.zrem(KEYS.affinity_assigned, *await conn.zrange(KEYS.affinity_assigned, 0, -1))
+    await conn.xack(KEYS.requests, CONSUMER_GROUP, entry_id)
+    await read(lib, worker, 8)  # the holder reports its room again
+    return worker
+
+
+async def test_keys_are_spread_evenly_and_keep_their_holder(conn: aioredis.Redis) -> None:
+    lib = Scripts.register(conn)
+    await read(lib, "a", 8)
+    await read(lib, "b", 8)
+    keys = [f"key{i}".encode() for i in range(4)]
+    first = [await holder_after_read(lib, conn, "a", key) for key in keys]
+    assert sorted(first) == ["a", "a", "b", "b"]  # four keys, two workers: two each, whatever the hashes say
+    again = [await holder_after_read(lib, conn, reader, key) for reader in ("b", "a") for key in keys]
+    assert again == first + first  # whoever reads them
+    assert await conn.hgetall(KEYS.affinity_loads) == {b"a": b"2", b"b": b"2"}
+
+
+async def test_a_joining_worker_takes_keys_until_the_fleet_is_even_and_a_dead_ones_move(conn: aioredis.Redis) -> None:
+    lib = Scripts.register(conn)
+    await read(lib, "a", 8)
+    keys = [f"key{i}".encode() for i in range(6)]
+    assert [await holder_after_read(lib, conn, "a", key) for key in keys] == ["a"] * 6  # alone
+    await read(lib, "b", 8)  # joins
+    joined = [await holder_after_read(lib, conn, "a", key) for key in keys]
+    assert joined == ["b", "b", "b", "a", "a", "a"]  # keys move as they are used, until 3 and 3
+    await conn.hset(KEYS.affinity_workers, "b", "8 1000")  # b goes silent: its keys come back to a
+    assert [await holder_after_read(lib, conn, "a", key) for key in keys] == ["a"] * 6
+
+
+async def test_a_key_unused_for_the_hold_time_is_forgotten(conn: aioredis.Redis) -> None:
+    lib = Scripts.register(conn)
+    short = Routing(wait_ms=200, live_ms=3000, hold_ms=100)
+    await lib.read.run(KEYS, "a", 8, [], ["default"], short)
+    await add(conn, b"once")
+    await lib.read.run(KEYS, "a", 8, [("default", 8)], ["default"], short)
+    assert await conn.hget(KEYS.affinity_holders, "once") == b"a"
+    await asyncio.sleep(0.15)
+    await lib.read.run(KEYS, "a", 8, [("default", 8)], ["default"], short)
+    assert await conn.hget(KEYS.affinity_holders, "once") is None
+    assert await conn.zcard(KEYS.affinity_used) == 0 and await conn.hget(KEYS.affinity_loads, "a") == b"0"
