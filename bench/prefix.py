@@ -1,6 +1,7 @@
-"""Shared system prompts on a fleet of two worker processes, with prefix caching off and on, in one run.
+"""Shared system prompts on a fleet of two worker processes: prefix caching off, on with plain pulls, and on with
+cache affinity, in one run.
 
-    python -m bench.prefix [--quick] [--questions 400] [--system-tokens 1000] [--rate 4]
+    python -m bench.prefix [--quick] [--questions 400] [--system-tokens 1000] [--rate 4] [--kv-cache-tokens N]
 
 The workload of issue 32: 4 system prompts of `--system-tokens` tokens, `--questions` short questions (20-60
 tokens, 32 output tokens, greedy) spread over them, submitted at a steady `--rate` per second. Each run starts two
@@ -8,10 +9,14 @@ fresh workers (one core each, as two machines) and warms them up on prompts of t
 workload and reports the prompt tokens the workers computed (`llmq:prompt_tokens_total`), the prefix cache's hit
 rate (`llmq:prefix_cache_hits_total` over the prompt tokens submitted), TTFT P50/P99 (submit to first streamed
 token) and throughput (generated tokens over the time from the first submit to the last answer), and checks the
-outputs are equal. Runs: `off` (`--no-prefix-sharing`) and `plain` (caching on, the default, with plain pulls).
-The JSON line has `prefill_ratio_plain` (computed with caching / off), `ttft_p50_ratio` and
-`throughput_ratio` (plain / off) and `outputs_match`. Cache affinity across workers, issue 32's third run, is not
-built yet.
+outputs are equal. Runs: `off` (`--no-prefix-sharing`), `plain` (caching on, `--affinity-wait-ms 0`: whichever
+worker reads first takes the request) and `affinity` (caching on, routing on: the defaults). Each worker's KV cache
+(`--kv-cache-tokens`, by default 2.5 system prompts and 1,024 tokens for the requests running) holds two of the
+four system prompts, not all of them, as in a fleet with more shared prompts than one worker's memory: plain
+pulls spread every prompt over every worker, so each worker's cache churns; affinity keeps each prompt on one
+worker. The JSON line has `prefill_ratio_affinity` and `prefill_ratio_plain` (prompt tokens computed / with
+caching off), `ttft_p50_ratio` and `throughput_ratio` (affinity / off), the plain run's ratios too, and
+`outputs_match` (all three runs equal).
 """
 
 from __future__ import annotations
@@ -99,13 +104,12 @@ async def serve(
     return [ttft for ttft, _ in answers], [tokens for _, tokens in answers], time.perf_counter() - origin
 
 
-async def run(name: str, model: str, prompts: list[list[int]], rate: float, caching: bool, workdir: Path) -> Run:
+async def run(name: str, model: str, prompts: list[list[int]], rate: float, workdir: Path, **settings: Any) -> Run:
+    """One run on a Redis and two workers of its own; `settings` go to both workers."""
     server = RedisServer(workdir / f"redis-{name}").start()
     ports = [free_port() for _ in range(WORKERS)]
     workers = [
-        start_worker(
-            server.url, model, f"{name}{i}", workdir / f"{name}{i}.log", metrics_port=port, prefix_sharing=caching
-        )
+        start_worker(server.url, model, f"{name}{i}", workdir / f"{name}{i}.log", metrics_port=port, **settings)
         for i, port in enumerate(ports)
     ]
     try:
@@ -155,28 +159,36 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
         model, vocab = DEFAULT_MODEL, 49152
     prompts = workload(vocab, args.questions, args.system_tokens)
-    off = await run("off", model, prompts, args.rate, False, workdir)
-    plain = await run("plain", model, prompts, args.rate, True, workdir)
+    kv = args.kv_cache_tokens or 5 * args.system_tokens // 2 + 1024
+    off = await run("off", model, prompts, args.rate, workdir, kv_cache_tokens=kv, prefix_sharing=False)
+    plain = await run("plain", model, prompts, args.rate, workdir, kv_cache_tokens=kv, affinity_wait_ms=0)
+    affinity = await run("affinity", model, prompts, args.rate, workdir, kv_cache_tokens=kv)
     submitted = sum(len(p) for p in prompts)
-    return {
+    figures: dict[str, Any] = {
         "model": "tiny-llama (random)" if args.quick else model,
         "questions": len(prompts),
         "system_tokens": args.system_tokens,
         "rate": args.rate,
+        "kv_cache_tokens": kv,
         "prompt_tokens": submitted,
-        "computed_off": round(off.computed),
-        "computed_plain": round(plain.computed),
-        "hit_rate_plain": round(plain.hits / submitted, 3),
+    }
+    for result in (off, plain, affinity):
+        figures[f"computed_{result.name}"] = round(result.computed)
+    for result in (plain, affinity):
+        figures[f"hit_rate_{result.name}"] = round(result.hits / submitted, 3)
+    for result in (off, plain, affinity):
+        figures[f"ttft_p50_{result.name}_s"] = round(percentile(result.ttfts, 0.5), 3)
+        figures[f"ttft_p99_{result.name}_s"] = round(percentile(result.ttfts, 0.99), 3)
+        figures[f"tok_s_{result.name}"] = round(result.tokens_per_s, 1)
+    return {
+        **figures,
         "prefill_ratio_plain": round(plain.computed / off.computed, 3),
-        "ttft_p50_off_s": round(percentile(off.ttfts, 0.5), 3),
-        "ttft_p50_plain_s": round(percentile(plain.ttfts, 0.5), 3),
-        "ttft_p99_off_s": round(percentile(off.ttfts, 0.99), 3),
-        "ttft_p99_plain_s": round(percentile(plain.ttfts, 0.99), 3),
-        "ttft_p50_ratio": round(percentile(plain.ttfts, 0.5) / percentile(off.ttfts, 0.5), 3),
-        "tok_s_off": round(off.tokens_per_s, 1),
-        "tok_s_plain": round(plain.tokens_per_s, 1),
-        "throughput_ratio": round(plain.tokens_per_s / off.tokens_per_s, 3),
-        "outputs_match": off.outputs == plain.outputs,
+        "ttft_p50_ratio_plain": round(percentile(plain.ttfts, 0.5) / percentile(off.ttfts, 0.5), 3),
+        "throughput_ratio_plain": round(plain.tokens_per_s / off.tokens_per_s, 3),
+        "prefill_ratio_affinity": round(affinity.computed / off.computed, 3),
+        "ttft_p50_ratio": round(percentile(affinity.ttfts, 0.5) / percentile(off.ttfts, 0.5), 3),
+        "throughput_ratio": round(affinity.tokens_per_s / off.tokens_per_s, 3),
+        "outputs_match": off.outputs == plain.outputs == affinity.outputs,
     }
 
 
@@ -186,6 +198,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--questions", type=int, default=400, help="questions, spread over 4 system prompts")
     parser.add_argument("--system-tokens", type=int, default=1000, help="tokens of each system prompt")
     parser.add_argument("--rate", type=float, default=4.0, help="submissions per second")
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=0,
+        help="each worker's KV cache (default: 2.5 system prompts and 1,024 tokens for the requests running)",
+    )
     args = parser.parse_args(argv)
     print_json(asyncio.run(main_async(args)))
 

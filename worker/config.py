@@ -144,6 +144,13 @@ class Settings(BaseSettings, LimitSettings):
         description="cache affinity: how long an entry assigned to the worker holding its prefix waits for it before "
         "this worker takes it; 0 turns routing off (the same on every worker)",
     )
+    affinity_queue: int = Field(
+        8,
+        ge=0,
+        le=1024,
+        description="cache affinity: requests that may wait for a full worker that holds their prompt's start "
+        "(it takes them first as slots free); more run wherever a slot is free",
+    )
     preemption: bool = Field(True, description="hand back lower-lane requests to start a waiting interactive one")
     max_preemptions: int = Field(3, ge=0, description="times one request may be preempted; then it runs to the end")
     max_buffered_events: int = Field(100_000, ge=1, description="events held while Redis is down; then intake pauses")
@@ -161,4 +168,4 @@ class Settings(BaseSettings, LimitSettings):
     @property
     def routing(self) -> Routing:
         """Cache affinity for the intake: a worker reports at least every read block, so ten of them make it gone."""
-        return Routing(self.affinity_wait_ms, max(3000, 10 * self.read_block_ms))
+        return Routing(self.affinity_wait_ms, max(3000, 10 * self.read_block_ms), queue=self.affinity_queue)

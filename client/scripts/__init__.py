@@ -274,6 +274,7 @@ class Routing:
     wait_ms: int = 0
     live_ms: int = 5000
     hold_ms: int = 600_000  # a key unused this long is forgotten: its next request goes to the least loaded worker
+    queue: int = 8  # entries that may wait for a full holder (it takes them first as slots free); then anyone runs them
 
 
 ROUTED_LANES: frozenset[Lane] = frozenset({"default", "batch"})  # an interactive request is never held back
@@ -281,8 +282,8 @@ ROUTED_LANES: frozenset[Lane] = frozenset({"default", "batch"})  # an interactiv
 
 class Read(LuaScript):
     """KEYS: the lanes' request streams, then the queue partition's affinity keys (`Keys.affinity`). ARGV: group,
-    consumer, free, wait ms, live ms, hold ms, whether to report the free slots left, the number of lanes and their
-    names, then triples of (1-based lane index, wanted, routed). Reply: `ReadReply`."""
+    consumer, free, wait ms, live ms, hold ms, queue, whether to report the free slots left, the number of lanes
+    and their names, then triples of (1-based lane index, wanted, routed). Reply: `ReadReply`."""
 
     name = "read"
 
@@ -311,6 +312,7 @@ class Read(LuaScript):
         """At most `free` new entries of `lanes`, taken as `steps` (lane, wanted) say, routed by `routing`; with
         `report`, the free slots left are this worker's room for cache affinity."""
         args: list[Any] = [CONSUMER_GROUP, consumer, free, routing.wait_ms, routing.live_ms, routing.hold_ms]
+        args.append(routing.queue)
         args += [int(report), len(lanes), *lanes]
         for lane, wanted in steps:
             args += [lanes.index(lane) + 1, wanted, int(lane in ROUTED_LANES)]

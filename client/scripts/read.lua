@@ -3,32 +3,34 @@
 --
 -- Cache affinity (`docs/workers.md`), on the lanes a step marks routed: each affinity key (`AFFINITY_FIELD`) has a
 -- holder among the live workers (those that reported lately; see `owner_of`). An entry whose key another worker
--- holds, when that worker has a free slot, is not taken but assigned to it: moved to its pending list (XCLAIM
--- JUSTID, so no delivery is counted), noted in the `assigned` set and announced on the `wake` stream. A worker takes
--- what was assigned to it before new entries, and any routing worker takes an assignment older than its `wait` ms
--- (its worker is slow, full or dead). An entry whose holder has no free slot is taken by whoever read it: affinity
--- never leaves a slot empty while requests wait. A worker with routing off (wait 0) reports nothing and takes no
--- assignment: it reads as if affinity did not exist. A call that says so reports this worker's free slots left,
--- with the time, in the `workers` hash.
+-- holds is not taken but assigned to it when that worker has a free slot, or fewer than `queue` entries waiting
+-- for it: moved to its pending list (XCLAIM JUSTID, so no delivery is counted), noted in the `assigned` set and
+-- announced on the `wake` stream. A worker takes what was assigned to it before new entries; a routing worker that
+-- finds nothing new to read takes an assignment older than its `wait` ms (its worker is slow, full or dead). An
+-- entry whose holder has a full queue is taken by whoever read it: affinity never leaves a slot empty for longer
+-- than the wait while requests wait. A worker with routing off (wait 0) reports nothing and takes no assignment:
+-- it reads as if affinity did not exist. A call that says so reports this worker's free slots left, with the time,
+-- in the `workers` hash.
 --
 -- KEYS: the lanes' request streams, then the `assigned` sorted set (score: when; member: "lane id deliveries
 -- worker"), the `workers` hash (worker -> "free ms"), the `wake` stream, the `holders` hash (key -> worker), the
 -- `used` sorted set (key by last use) and the `loads` hash (worker -> keys held). ARGV: group, consumer, free, wait
 -- ms (0: route nothing), live ms (how recent a report makes a worker live), hold ms (how long an unused key keeps
--- its holder), 1 to report the free slots left (0: `free` is not this worker's room, say a full worker's look for
--- one interactive request), the number of lanes, their names, then triples of (1-based lane index, wanted, 1 if
--- routed). Returns the entries read as {lane index, id, fields}; when there were none, each lane's last entry id
--- and the wake stream's (an XREAD BLOCK from those ids wakes on the next entry or assignment without missing one
--- added meanwhile) and the ms until another worker's assignment may be taken (-1: none); and the counts {assigned
--- to others, taken of this worker's, taken of others'}.
+-- its holder), queue (entries that may wait for a full holder), 1 to report the free slots left (0: `free` is not
+-- this worker's room, say a full worker's look for one interactive request), the number of lanes, their names,
+-- then triples of (1-based lane index, wanted, 1 if routed). Returns the entries read as {lane index, id,
+-- fields}; when there were none, each lane's last entry id and the wake stream's (an XREAD BLOCK from those ids
+-- wakes on the next entry or assignment without missing one added meanwhile) and the ms until another worker's
+-- assignment may be taken (-1: none); and the counts {assigned to others, taken of this worker's, taken of
+-- others'}.
 local group, me, free = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local wait, live, hold = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local report, lanes = tonumber(ARGV[7]) == 1, tonumber(ARGV[8])
+local wait, live, hold, queue = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local report, lanes = tonumber(ARGV[8]) == 1, tonumber(ARGV[9])
 local assigned, workers, wake = KEYS[lanes + 1], KEYS[lanes + 2], KEYS[lanes + 3]
 local holders, used, loads = KEYS[lanes + 4], KEYS[lanes + 5], KEYS[lanes + 6]
 local names = {}
 for i = 1, lanes do
-  names[i] = ARGV[8 + i]
+  names[i] = ARGV[9 + i]
 end
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
@@ -116,9 +118,22 @@ local function field(fields, name)
   return nil
 end
 
--- Takes up to `wanted` assignments of lane `lane`: this worker's, then any past the wait. An assignment is taken
--- only while its entry is still pending to its worker with the deliveries it had (else a lease claim moved it on).
-local function take_assigned(lane, wanted)
+-- Entries waiting for each worker: assignments not taken yet.
+local queued = {}
+if wait > 0 then
+  local members = redis.call('ZRANGE', assigned, 0, -1)
+  for _, member in ipairs(members) do
+    local _, _, _, worker = string.match(member, '^(%S+) (%S+) (%d+) (%S+)')
+    if worker then
+      queued[worker] = (queued[worker] or 0) + 1
+    end
+  end
+end
+
+-- Takes up to `wanted` assignments of lane `lane` that `wanted_here` accepts (given the worker assigned and the
+-- assignment's age). An assignment is taken only while its entry is still pending to its worker with the
+-- deliveries it had (else a lease claim moved it on).
+local function take_assigned(lane, wanted, wanted_here)
   local got = 0
   local members = redis.call('ZRANGE', assigned, 0, -1, 'WITHSCORES')
   for i = 1, #members, 2 do
@@ -129,7 +144,7 @@ local function take_assigned(lane, wanted)
     local mine = worker == me
     if name == nil then
       redis.call('ZREM', assigned, members[i])
-    elseif name == names[lane] and (mine or tonumber(members[i + 1]) + wait <= now) then
+    elseif name == names[lane] and wanted_here(worker, now - tonumber(members[i + 1])) then
       redis.call('ZREM', assigned, members[i])
       local pending = redis.call('XPENDING', KEYS[lane], group, id, id, 1)
       if pending[1] and pending[1][2] == worker and tonumber(pending[1][4]) == tonumber(deliveries) then
@@ -150,36 +165,52 @@ local function take_assigned(lane, wanted)
   return got
 end
 
--- Assigns a new entry to its key's owner when that is another live worker with a free slot; false: take it here.
+-- Before anything new: what was assigned to this worker, and what waits for a worker gone silent, or for 10 waits.
+local function mine_or_overdue(worker, age)
+  return worker == me or (age >= wait and room[worker] == nil) or age >= 10 * wait
+end
+
+-- Rather than an empty slot: what waited the wait for another worker.
+local function past_the_wait(worker, age)
+  return worker ~= me and age >= wait
+end
+
+-- Assigns a new entry to its key's holder when that is another live worker with a free slot, or a full one with
+-- fewer than `queue` entries waiting for it (it takes them before anything new as slots free); false: take it here.
 local function assign(lane, id, fields)
   local key = field(fields, ${AFFINITY_FIELD})
   if key == nil then
     return false
   end
   local owner = owner_of(key)
-  if owner == me or (room[owner] or 0) <= 0 then
+  if owner == me then
     return false
   end
+  if (room[owner] or 0) > 0 then
+    room[owner] = room[owner] - 1
+    redis.call('HSET', workers, owner, room[owner] .. ' ' .. seen[owner])
+  elseif room[owner] == nil or (queued[owner] or 0) >= queue then
+    return false
+  end
+  queued[owner] = (queued[owner] or 0) + 1
   redis.call('XCLAIM', KEYS[lane], group, owner, 0, id, 'JUSTID')
   redis.call('ZADD', assigned, now, names[lane] .. ' ' .. id .. ' ' .. 1 .. ' ' .. owner)
   redis.call('PEXPIRE', assigned, 10 * live)
-  room[owner] = room[owner] - 1
-  redis.call('HSET', workers, owner, room[owner] .. ' ' .. seen[owner])
   redis.call('XADD', wake, 'MAXLEN', '~', 100, '*', ${AFFINITY_NOTICE}, owner)
   redis.call('PEXPIRE', wake, 10 * live)
   counts[1] = counts[1] + 1
   return true
 end
 
-for i = 9 + lanes, #ARGV - 2, 3 do
+for i = 10 + lanes, #ARGV - 2, 3 do
   local lane, routed = tonumber(ARGV[i]), tonumber(ARGV[i + 2]) == 1
   local wanted = math.min(tonumber(ARGV[i + 1]), free)
   if wanted > 0 and routed and wait > 0 then
-    local got = take_assigned(lane, wanted)
+    local got = take_assigned(lane, wanted, mine_or_overdue)
     wanted, free = wanted - got, free - got
   end
   -- Entries assigned away leave their slots free: read again, a bounded number of times (each assignment uses a
-  -- free slot another worker reported, so they run out).
+  -- free slot another worker reported, or a place in a full one's queue, so they run out).
   local rounds = 0
   while wanted > 0 and rounds < 8 do
     rounds = rounds + 1
@@ -198,6 +229,11 @@ for i = 9 + lanes, #ARGV - 2, 3 do
     if #entries < asked then
       break
     end
+  end
+  -- Nothing more to read: entries another worker left past the wait, rather than an empty slot.
+  if wanted > 0 and routed and wait > 0 then
+    local got = take_assigned(lane, wanted, past_the_wait)
+    wanted, free = wanted - got, free - got
   end
 end
 

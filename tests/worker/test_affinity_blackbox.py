@@ -317,10 +317,14 @@ async def test_requests_that_start_alike_run_on_one_worker(
 async def test_a_full_owner_does_not_hold_work_back(
     start_worker: Callable[..., Any], client: AsyncClient, redis: Redis
 ) -> None:
-    """Two workers of one slot each; the owner of a prompt's start is busy: the same start runs on the other.
-    The wait is the longest allowed, so an entry given to the full owner would not finish within the test."""
+    """Two workers of one slot each, with no queue for a full worker (`LLMQ_AFFINITY_QUEUE=0`); the owner of a
+    prompt's start is busy: the same start runs on the other. The wait is the longest allowed, so an entry given to
+    the full owner would not finish within the test."""
     names = ["full-a", "full-b"]
-    workers = [await start_worker(worker_id=n, affinity_wait_ms=60_000, max_running=1, step_s=0.05) for n in names]
+    workers = [
+        await start_worker(worker_id=n, affinity_wait_ms=60_000, affinity_queue=0, max_running=1, step_s=0.05)
+        for n in names
+    ]
     await wait_reported(redis, names)
     texts = [prompt(7, q, width=260) for q in range(5)]
     [first] = await run_sequentially(client, texts[:1], max_new_tokens=1)
@@ -429,9 +433,9 @@ async def test_a_stale_or_full_report_is_given_nothing(
     start_worker: Callable[..., Any], client: AsyncClient, redis: Redis
 ) -> None:
     """A report older than ten read blocks (at least 3 s) is no live worker, and one with no free slot owns keys
-    it cannot take: neither is given an entry. The wait is the longest allowed, so an entry given to either
-    would not finish within the test."""
-    worker = await start_worker(worker_id="stale-live", affinity_wait_ms=60_000)
+    it cannot take: with no queue for a full worker (`LLMQ_AFFINITY_QUEUE=0`), neither is given an entry. The wait
+    is the longest allowed, so an entry given to either would not finish within the test."""
+    worker = await start_worker(worker_id="stale-live", affinity_wait_ms=60_000, affinity_queue=0)
     await wait_reported(redis, ["stale-live"])
     await redis.hset(KEYS.affinity_workers, "stale-ghost", f"8 {await redis_ms(redis) - 10_000}")
     async with fake_report(redis, "full-ghost", free=0):

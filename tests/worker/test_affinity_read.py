@@ -17,7 +17,7 @@ from client.store import Keys
 from worker.intake import Intake
 
 KEYS = Keys("affinity")
-ROUTING = Routing(wait_ms=200, live_ms=3000)
+ROUTING = Routing(wait_ms=200, live_ms=3000, queue=0)  # a full holder gets nothing (see QUEUED)
 ENTRY = {b"m": b"x"}
 
 
@@ -242,3 +242,52 @@ async def test_a_key_unused_for_the_hold_time_is_forgotten(conn: aioredis.Redis)
     await lib.read.run(KEYS, "a", 8, [("default", 8)], ["default"], short)
     assert await conn.hget(KEYS.affinity_holders, "once") is None
     assert await conn.zcard(KEYS.affinity_used) == 0 and await conn.hget(KEYS.affinity_loads, "a") == b"0"
+
+
+QUEUED = Routing(wait_ms=200, live_ms=3000, queue=3)
+
+
+async def test_a_full_holder_gets_up_to_its_queue_and_takes_it_first(conn: aioredis.Redis) -> None:
+    lib = Scripts.register(conn)
+    await lib.read.run(KEYS, "b", 0, [], ["default"], QUEUED)  # b is full
+    await lib.read.run(KEYS, "a", 8, [], ["default"], QUEUED)
+    key = owned_by("b", ["a"])
+    ids = [await add(conn, key) for _ in range(5)]
+    by_a = await lib.read.run(KEYS, "a", 8, [("default", 8)], ["default"], QUEUED)
+    assert by_a.assigned == 3 and [e.entry_id for e in by_a.entries] == ids[3:]  # the queue is full: a runs the rest
+    later = await add(conn, key)
+    by_b = await lib.read.run(KEYS, "b", 2, [("default", 2)], ["default"], QUEUED)  # two slots freed
+    assert [e.entry_id for e in by_b.entries] == ids[:2] and by_b.taken == 2  # its queue first, in order
+    by_b = await lib.read.run(KEYS, "b", 2, [("default", 2)], ["default"], QUEUED)
+    assert [e.entry_id for e in by_b.entries] == [ids[2], later]
+
+
+async def test_what_waits_for_a_full_holder_goes_elsewhere_only_when_nothing_new_is_left(conn: aioredis.Redis) -> None:
+    lib = Scripts.register(conn)
+    await lib.read.run(KEYS, "b", 0, [], ["default"], QUEUED)
+    await lib.read.run(KEYS, "a", 8, [], ["default"], QUEUED)
+    waiting = await add(conn, owned_by("b", ["a"]))
+    assert (await lib.read.run(KEYS, "a", 8, [("default", 8)], ["default"], QUEUED)).assigned == 1
+    await asyncio.sleep(QUEUED.wait_ms / 1000 + 0.05)
+    await lib.read.run(KEYS, "b", 0, [], ["default"], QUEUED)  # b is still full, and says so
+    fresh = await add(conn, owned_by("a", ["b"]))
+    first = await lib.read.run(KEYS, "a", 1, [("default", 1)], ["default"], QUEUED)
+    assert [e.entry_id for e in first.entries] == [fresh]  # new work before what waits for b
+    second = await lib.read.run(KEYS, "a", 1, [("default", 1)], ["default"], QUEUED)
+    assert [e.entry_id for e in second.entries] == [waiting] and second.stolen == 1  # else a slot stays empty
+
+
+async def test_what_waits_for_a_silent_worker_is_taken_before_new_work(conn: aioredis.Redis) -> None:
+    lib = Scripts.register(conn)
+    await lib.read.run(KEYS, "b", 0, [], ["default"], QUEUED)
+    await lib.read.run(KEYS, "a", 8, [], ["default"], QUEUED)
+    waiting = await add(conn, owned_by("b", ["a"]))
+    assert (await lib.read.run(KEYS, "a", 8, [("default", 8)], ["default"], QUEUED)).assigned == 1
+    await conn.hset(KEYS.affinity_workers, "b", "0 1000")  # b went silent (killed)
+    await asyncio.sleep(QUEUED.wait_ms / 1000 + 0.05)
+    fresh = await add(conn, b"anything")
+    got = await lib.read.run(KEYS, "a", 1, [("default", 1)], ["default"], QUEUED)
+    assert [e.entry_id for e in got.entries] == [waiting] and got.stolen == 1
+    assert [e.entry_id for e in (await lib.read.run(KEYS, "a", 1, [("default", 1)], ["default"], QUEUED)).entries] == [
+        fresh
+    ]
