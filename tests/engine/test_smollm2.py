@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.test_engine import collect, greedy, text_of
+from tests.engine.test_engine import collect, greedy, text_of, tokens_of
 from worker.engine.loader import DEFAULT_MODEL, LoadOptions, load_model
 from worker.engine.types import EngineRequest, GenerationParams
 
@@ -112,3 +112,34 @@ def test_a_worker_that_converts_second_keeps_the_first_ones_folder(
     folder = loader._converted_gguf(loader.resolve_source(DEFAULT_MODEL), LoadOptions(cache_dir=tmp_path))
     assert (folder / "config.json").read_text() == "{}", "the winner's folder is kept"
     assert [path.name for path in tmp_path.iterdir()] == [folder.name], "no staging folder is left behind"
+
+
+async def test_prefix_caching_changes_no_output_of_the_default_model(smollm2: tuple, make_engine) -> None:
+    """Prefix caching is on by default: on the real default model, greedy and seeded answers behind shared system
+    prompts are the same with it off, token for token, submitted together and one after another."""
+    model, tokenizer, cache = smollm2
+    cached = await make_engine(cache, model, tokenizer, kv_cache_tokens=4096, page_size=32)
+    plain = await make_engine(cache, model, tokenizer, kv_cache_tokens=4096, page_size=32, prefix_sharing=False)
+    systems = [
+        "You are a careful assistant for a bookshop. Answer in one short sentence, politely and precisely. " * 3,
+        "You translate English into French. Keep names as they are and never add explanations of your own. " * 3,
+    ]
+    questions = ["Where is my order?", "Do you sell maps?", "Good morning.", "The cat sleeps.", "Close at five?"]
+
+    async def run(engine: object) -> list[list[int]]:
+        outputs = []
+        for together in (True, False):
+            streams = []
+            for index, question in enumerate(questions * 2):
+                seeded = GenerationParams(max_new_tokens=16, temperature=0.9, seed=index)
+                params = seeded if index % 3 == 0 else greedy(16)
+                prompt = systems[index % 2] + question
+                request = EngineRequest(f"{together}-{index}", prompt=prompt, params=params)
+                stream = engine.submit(request)  # type: ignore[attr-defined]
+                streams.append(stream if together else await collect(stream))
+            outputs += [tokens_of(await collect(s) if together else s) for s in streams]
+        return outputs
+
+    with_cache, without = await run(cached), await run(plain)
+    assert with_cache == without
+    assert cached.stats().prefix_cache_hits > 0 and cached.stats().prefill_tokens < plain.stats().prefill_tokens
