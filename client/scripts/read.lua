@@ -39,15 +39,17 @@ local read, counts = {}, {0, 0, 0}
 -- The live workers, each with its free slots and when it reported them.
 local owners, room, seen = {}, {}, {}
 if wait > 0 then
-  local flat = redis.call('HGETALL', workers)
-  for i = 1, #flat, 2 do
-    local slots, at = string.match(flat[i + 1], '^(%-?%d+) (%d+)')
+  -- HKEYS and HMGET rather than HGETALL, which clients call too: `bench.capacity` tells scripts' commands apart.
+  local names_of = redis.call('HKEYS', workers)
+  local reports = #names_of > 0 and redis.call('HMGET', workers, unpack(names_of)) or {}
+  for i, worker in ipairs(names_of) do
+    local slots, at = string.match(reports[i] or '', '^(%-?%d+) (%d+)')
     local age = at and now - tonumber(at) or math.huge
     if age <= live then
-      owners[#owners + 1] = flat[i]
-      room[flat[i]], seen[flat[i]] = tonumber(slots), at
+      owners[#owners + 1] = worker
+      room[worker], seen[worker] = tonumber(slots), at
     elseif age > 10 * live then
-      redis.call('HDEL', workers, flat[i])
+      redis.call('HDEL', workers, worker)
     end
   end
   if room[me] == nil then

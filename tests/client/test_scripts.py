@@ -39,7 +39,7 @@ LITERAL = re.compile(r"'([^']*)'")
 REDIS_WORDS = {
     *("EXISTS", "XLEN", "SET", "EX", "XADD", "XPENDING", "XCLAIM", "JUSTID", "IDLE", "HINCRBY", "HMGET", "HSET"),
     *("EXPIRE", "MAXLEN", "XACK", "XDEL", "XREADGROUP", "GROUP", "COUNT", "STREAMS", "XREVRANGE"),
-    *("HGETALL", "HDEL", "TIME", "ZADD", "ZRANGE", "ZREM", "WITHSCORES", "XRANGE", "PEXPIRE", "HGET"),
+    *("HKEYS", "HDEL", "TIME", "ZADD", "ZRANGE", "ZREM", "WITHSCORES", "XRANGE", "PEXPIRE", "HGET"),
     *("ZRANGEBYSCORE", "-inf", "LIMIT"),
     *("", "*", "~", ">", "+", "-", "0", "0-0", " ", "table", "\\n"),  # "table": a Lua type name
     # Lua string patterns, which parse `read.lua`'s own records (its affinity set's members, its workers' reports)
