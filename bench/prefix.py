@@ -27,6 +27,7 @@ import random
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,25 +63,24 @@ def workload(vocab: int, questions: int, system_tokens: int) -> list[list[int]]:
     ]
 
 
-def counters(port: int) -> dict[str, float]:
-    """A worker's prompt-token and prefix-cache counters, from its /metrics."""
+def counters(port: int) -> Counter[str]:
+    """A worker's prompt-token, prefix-cache and affinity counters, from its /metrics (affinity's by outcome)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
         text = answer.read().decode()
-    wanted = {"llmq:prompt_tokens_total", "llmq:prefix_cache_hits_total"}
-    return {
-        sample.name: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name in wanted
-    }
-
-
-def totals(ports: list[int]) -> tuple[float, float]:
-    read = [counters(port) for port in ports]
-    return (
-        sum(r.get("llmq:prompt_tokens_total", 0.0) for r in read),
-        sum(r.get("llmq:prefix_cache_hits_total", 0.0) for r in read),
+    wanted = {"llmq:prompt_tokens_total", "llmq:prefix_cache_hits_total", "llmq:affinity_entries_total"}
+    return Counter(
+        {
+            sample.labels.get("outcome", sample.name): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name in wanted
+        }
     )
+
+
+def totals(ports: list[int]) -> Counter[str]:
+    """The counters summed over the workers."""
+    return sum((counters(port) for port in ports), Counter())
 
 
 async def serve(
@@ -121,9 +121,10 @@ async def run(name: str, model: str, prompts: list[list[int]], rate: float, work
             rng = random.Random(7)  # warm-up prompts of the same lengths, sharing nothing with the workload
             warm = [[rng.randrange(3, 400) for _ in range(len(p))] for p in prompts[: 4 * WORKERS]]
             await serve(client, warm, rate=100.0)
-            computed, hits = totals(ports)
+            before = totals(ports)
             ttfts, outputs, seconds = await serve(client, prompts, rate)
-            computed_after, hits_after = totals(ports)
+            after = totals(ports)
+            after.subtract(before)
     finally:
         for worker in workers:
             worker.terminate()
@@ -132,8 +133,8 @@ async def run(name: str, model: str, prompts: list[list[int]], rate: float, work
         server.stop()
     result = Run(
         name,
-        computed_after - computed,
-        hits_after - hits,
+        after["llmq:prompt_tokens_total"],
+        after["llmq:prefix_cache_hits_total"],
         ttfts,
         sum(len(tokens) for tokens in outputs) / seconds,
         outputs,
@@ -142,7 +143,8 @@ async def run(name: str, model: str, prompts: list[list[int]], rate: float, work
     print(
         f"{name}: prompt tokens computed {result.computed:.0f} of {submitted}, hit rate "
         f"{result.hits / submitted:.1%}, TTFT P50 {percentile(ttfts, 0.5):.3f} s P99 {percentile(ttfts, 0.99):.3f} s, "
-        f"{result.tokens_per_s:.1f} tok/s",
+        f"{result.tokens_per_s:.1f} tok/s; affinity moves "
+        + ", ".join(f"{outcome} {after[outcome]:.0f}" for outcome in ("assigned", "taken", "stolen", "overflow")),
         flush=True,
     )
     return result

@@ -317,7 +317,7 @@ class Intake:
         self._redis = redis
         self._keys = keys
         self._routing = routing or Routing()
-        self.routed: Counter[str] = Counter()  # cache affinity: entries assigned away, taken as assigned, stolen
+        self.routed: Counter[str] = Counter()  # cache affinity's moves, by outcome (`llmq:affinity_entries_total`)
         self._wait_replicas = wait_replicas
         self._consumer = consumer
         self._limits = limits
@@ -344,7 +344,7 @@ class Intake:
         asked = {lane for lane, _ in steps}
         lanes = [lane for lane in self._keys.lanes if block_ms is not None or lane in asked]
         reply = await self._scripts.read.run(self._keys, self._consumer, free, steps, lanes, self._routing, report)
-        self.routed.update(assigned=reply.assigned, taken=reply.taken, stolen=reply.stolen)
+        self.routed.update(assigned=reply.assigned, taken=reply.taken, stolen=reply.stolen, overflow=reply.overflow)
         if reply.entries:
             return [
                 decide(entry.entry_id, entry.fields, self._limits, lane=entry.lane, partition=self._keys.partition)

@@ -137,10 +137,11 @@ class _AffinityCollector(Collector):
         family = CounterMetricFamily(
             "llmq:affinity_entries",
             "Entries moved by cache affinity: assigned (read here, given to the worker that holds its prefix), taken "
-            "(given to this worker) or stolen (given to another that did not take it within the wait).",
+            "(given to this worker), stolen (given to another that did not take it within the wait) or overflow (run "
+            "here although another worker holds its prefix: that worker's queue was full).",
             labels=[*names, "outcome"],
         )
-        for outcome in ("assigned", "taken", "stolen"):
+        for outcome in ("assigned", "taken", "stolen", "overflow"):
             family.add_metric([*values, outcome], counts.get(outcome, 0))
         yield family
 

@@ -255,7 +255,8 @@ class ReadEntry:
 class ReadReply:
     """The entries read, in order. When there were none: each lane's stream, and the affinity wake stream, -> its
     newest entry id (for XREAD), and `retry_ms`, how soon an entry assigned to another worker may be taken here
-    (None: no such entry). `assigned`, `taken` and `stolen` count this call's affinity moves (`read.lua`)."""
+    (None: no such entry). `assigned`, `taken` and `stolen` count this call's affinity moves (`read.lua`);
+    `overflow`, the entries read here although another worker holds their key, because its queue was full."""
 
     entries: list[ReadEntry]
     last: dict[str, bytes]
@@ -263,6 +264,7 @@ class ReadReply:
     assigned: int = 0
     taken: int = 0
     stolen: int = 0
+    overflow: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,8 +298,9 @@ class Read(LuaScript):
         ]
         streams = [*(keys.lane(lane) for lane in lanes), keys.affinity_wake]
         newest = {stream: _bytes(entry_id) for stream, entry_id in zip(streams, last, strict=False)}
-        assigned, taken, stolen = (int(count) for count in counts)
-        return ReadReply(entries, newest, int(retry) if int(retry) >= 0 else None, assigned, taken, stolen)
+        assigned, taken, stolen, overflow = (int(count) for count in counts)
+        retry_ms = int(retry) if int(retry) >= 0 else None
+        return ReadReply(entries, newest, retry_ms, assigned, taken, stolen, overflow)
 
     async def run(
         self,

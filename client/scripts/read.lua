@@ -22,7 +22,7 @@
 -- fields}; when there were none, each lane's last entry id and the wake stream's (an XREAD BLOCK from those ids
 -- wakes on the next entry or assignment without missing one added meanwhile) and the ms until another worker's
 -- assignment may be taken (-1: none); and the counts {assigned to others, taken of this worker's, taken of
--- others'}.
+-- others', read here past a full holder's queue}.
 local group, me, free = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local wait, live, hold, queue = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local report, lanes = tonumber(ARGV[8]) == 1, tonumber(ARGV[9])
@@ -34,7 +34,7 @@ for i = 1, lanes do
 end
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local read, counts = {}, {0, 0, 0}
+local read, counts = {}, {0, 0, 0, 0}
 
 -- The live workers, each with its free slots and when it reported them.
 local owners, room, seen = {}, {}, {}
@@ -167,9 +167,11 @@ local function take_assigned(lane, wanted, wanted_here)
   return got
 end
 
--- Before anything new: what was assigned to this worker, and what waits for a worker gone silent, or for 10 waits.
-local function mine_or_overdue(worker, age)
-  return worker == me or (age >= wait and room[worker] == nil) or age >= 10 * wait
+-- Before anything new: what was assigned to this worker, and what waited the wait for a worker gone silent. An
+-- entry waiting for a live worker stays its own: that worker's queue is bounded (`queue`), and taking it here
+-- under a backlog, where every entry waits, would give up its cached prefix for nothing.
+local function mine_or_orphaned(worker, age)
+  return worker == me or (age >= wait and room[worker] == nil)
 end
 
 -- Rather than an empty slot: what waited the wait for another worker.
@@ -191,7 +193,10 @@ local function assign(lane, id, fields)
   if (room[owner] or 0) > 0 then
     room[owner] = room[owner] - 1
     redis.call('HSET', workers, owner, room[owner] .. ' ' .. seen[owner])
-  elseif room[owner] == nil or (queued[owner] or 0) >= queue then
+  elseif room[owner] == nil then
+    return false
+  elseif (queued[owner] or 0) >= queue then
+    counts[4] = counts[4] + 1
     return false
   end
   queued[owner] = (queued[owner] or 0) + 1
@@ -208,7 +213,7 @@ for i = 10 + lanes, #ARGV - 2, 3 do
   local lane, routed = tonumber(ARGV[i]), tonumber(ARGV[i + 2]) == 1
   local wanted = math.min(tonumber(ARGV[i + 1]), free)
   if wanted > 0 and routed and wait > 0 then
-    local got = take_assigned(lane, wanted, mine_or_overdue)
+    local got = take_assigned(lane, wanted, mine_or_orphaned)
     wanted, free = wanted - got, free - got
   end
   -- Entries assigned away leave their slots free: read again, a bounded number of times (each assignment uses a

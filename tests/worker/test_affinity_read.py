@@ -255,6 +255,7 @@ async def test_a_full_holder_gets_up_to_its_queue_and_takes_it_first(conn: aiore
     ids = [await add(conn, key) for _ in range(5)]
     by_a = await lib.read.run(KEYS, "a", 8, [("default", 8)], ["default"], QUEUED)
     assert by_a.assigned == 3 and [e.entry_id for e in by_a.entries] == ids[3:]  # the queue is full: a runs the rest
+    assert by_a.overflow == 2
     later = await add(conn, key)
     by_b = await lib.read.run(KEYS, "b", 2, [("default", 2)], ["default"], QUEUED)  # two slots freed
     assert [e.entry_id for e in by_b.entries] == ids[:2] and by_b.taken == 2  # its queue first, in order
@@ -263,12 +264,13 @@ async def test_a_full_holder_gets_up_to_its_queue_and_takes_it_first(conn: aiore
 
 
 async def test_what_waits_for_a_full_holder_goes_elsewhere_only_when_nothing_new_is_left(conn: aioredis.Redis) -> None:
+    """However long it waited: under a backlog every entry waits, and the holder's queue is bounded."""
     lib = Scripts.register(conn)
     await lib.read.run(KEYS, "b", 0, [], ["default"], QUEUED)
     await lib.read.run(KEYS, "a", 8, [], ["default"], QUEUED)
     waiting = await add(conn, owned_by("b", ["a"]))
     assert (await lib.read.run(KEYS, "a", 8, [("default", 8)], ["default"], QUEUED)).assigned == 1
-    await asyncio.sleep(QUEUED.wait_ms / 1000 + 0.05)
+    await asyncio.sleep(10 * QUEUED.wait_ms / 1000 + 0.05)
     await lib.read.run(KEYS, "b", 0, [], ["default"], QUEUED)  # b is still full, and says so
     fresh = await add(conn, owned_by("a", ["b"]))
     first = await lib.read.run(KEYS, "a", 1, [("default", 1)], ["default"], QUEUED)
