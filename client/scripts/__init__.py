@@ -86,6 +86,7 @@ SERVER_WIDE_ERRORS = ("OOM", "READONLY", "LOADING", "BUSY", "MASTERDOWN", "NOREP
 PUBLISH_HEADER_ARGS = 4  # group, reply MAXLEN, wake MAXLEN, wake TTL
 PUBLISH_KEYS_PER_EVENT = 5  # request stream, result stream, fence hash, reply stream, wake stream
 PUBLISH_ARGS_PER_EVENT = 7  # attempt, ttl, event, seq, size, entry id to acknowledge, completion
+AFFINITY_MAX_KEYS = 10_000  # keys with a holder per queue partition; past it the least recently used is forgotten
 
 # Everything the Lua sources name with `${NAME}`: Python's values, written into the source at load time.
 LUA_CONSTANTS: dict[str, str | bytes | int | tuple[str, ...]] = {
@@ -95,6 +96,7 @@ LUA_CONSTANTS: dict[str, str | bytes | int | tuple[str, ...]] = {
     "TRACE_FIELD": TRACE_FIELD,
     "WAKE_NOTICE": WAKE_NOTICE,
     "AFFINITY_NOTICE": AFFINITY_NOTICE,
+    "AFFINITY_MAX_KEYS": AFFINITY_MAX_KEYS,
     "FENCE_ATTEMPT": Fence.ATTEMPT,
     "FENCE_WRITTEN": Fence.WRITTEN,
     "FENCE_HANDED_BACK": Fence.HANDED_BACK,

@@ -60,17 +60,25 @@ end
 -- The keys' holders: a key's entries go to the worker that holds it while that worker is live and holds no
 -- more than one key above the least loaded live worker; else (a new key, a dead holder, an uneven fleet, say one
 -- just joined) to the live worker holding the fewest keys, ties broken by rendezvous hashing, and that worker
--- holds it from then on. A key unused for `hold` ms is forgotten.
+-- holds it from then on. A key unused for `hold` ms is forgotten, and so is the least recently used one when a
+-- new key would pass `AFFINITY_MAX_KEYS`: traffic whose every prompt is new keeps the hashes bounded.
 local load = {}
-if wait > 0 then
-  local stale = redis.call('ZRANGEBYSCORE', used, '-inf', now - hold, 'LIMIT', 0, 32)
-  for _, key in ipairs(stale) do
-    local holder = redis.call('HGET', holders, key)
-    if holder then
-      redis.call('HINCRBY', loads, holder, -1)
+
+local function forget(key)
+  local holder = redis.call('HGET', holders, key)
+  if holder then
+    redis.call('HINCRBY', loads, holder, -1)
+    if load[holder] ~= nil then
+      load[holder] = load[holder] - 1
     end
-    redis.call('HDEL', holders, key)
-    redis.call('ZREM', used, key)
+  end
+  redis.call('HDEL', holders, key)
+  redis.call('ZREM', used, key)
+end
+
+if wait > 0 then
+  for _, key in ipairs(redis.call('ZRANGEBYSCORE', used, '-inf', now - hold, 'LIMIT', 0, 32)) do
+    forget(key)
   end
   local counts = redis.call('HMGET', loads, unpack(owners))
   for i, worker in ipairs(owners) do
@@ -91,6 +99,9 @@ end
 
 local function owner_of(key)
   local holder = redis.call('HGET', holders, key)
+  if not holder and redis.call('ZCARD', used) >= ${AFFINITY_MAX_KEYS} then
+    forget(redis.call('ZRANGE', used, 0, 0)[1])
+  end
   local least, fewest = least_loaded(key)
   redis.call('ZADD', used, now, key)
   redis.call('PEXPIRE', used, 2 * hold)

@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from client.protocol import AFFINITY_FIELD, Lane
-from client.scripts import CONSUMER_GROUP, ReadReply, Routing, Scripts
+from client.scripts import AFFINITY_MAX_KEYS, CONSUMER_GROUP, ReadReply, Routing, Scripts
 from client.store import Keys
 from worker.intake import Intake
 
@@ -242,6 +242,35 @@ async def test_a_key_unused_for_the_hold_time_is_forgotten(conn: aioredis.Redis)
     await lib.read.run(KEYS, "a", 8, [("default", 8)], ["default"], short)
     assert await conn.hget(KEYS.affinity_holders, "once") is None
     assert await conn.zcard(KEYS.affinity_used) == 0 and await conn.hget(KEYS.affinity_loads, "a") == b"0"
+
+
+async def test_every_prompt_new_keeps_the_held_keys_bounded(conn: aioredis.Redis) -> None:
+    """Hostile traffic: more distinct keys than `AFFINITY_MAX_KEYS`; the least recently used are forgotten, the
+    loads stay equal to what is held, and a key used again keeps its holder."""
+    lib = Scripts.register(conn)
+    await read(lib, "a", 8)
+    await read(lib, "b", 8)
+    total = AFFINITY_MAX_KEYS + 500
+    async with conn.pipeline(transaction=False) as pipe:
+        for i in range(total):
+            pipe.xadd(KEYS.lane("default"), {**ENTRY, AFFINITY_FIELD: f"hostile-{i}"})
+        await pipe.execute()
+    read_by = {"a": 0, "b": 0}
+    while sum(read_by.values()) < total:
+        for worker in read_by:  # each takes its own and what is assigned to it; no slot is ever short
+            reply = await read(lib, worker, 1000)
+            read_by[worker] += len(reply.entries)
+    assert sum(read_by.values()) == total and min(read_by.values()) > 0
+    held = await conn.hgetall(KEYS.affinity_holders)
+    assert len(held) == await conn.zcard(KEYS.affinity_used) == AFFINITY_MAX_KEYS
+    assert b"hostile-0" not in held and b"hostile-" + str(total - 1).encode() in held  # the oldest went first
+    loads = {k.decode(): int(v) for k, v in (await conn.hgetall(KEYS.affinity_loads)).items()}
+    assert loads == {w: sum(1 for h in held.values() if h == w.encode()) for w in ("a", "b")}
+    last = b"hostile-" + str(total - 1).encode()
+    again = await add(conn, last)
+    holder = held[last].decode()
+    reply = await read(lib, holder, 1)
+    assert [e.entry_id for e in reply.entries] == [again]
 
 
 QUEUED = Routing(wait_ms=200, live_ms=3000, queue=3)
