@@ -27,6 +27,7 @@ from client.backoff import Backoff
 from client.connection import connection_options, redact_url
 from client.errors import Cancelled, ClientClosed, InvalidRequest, LLMQError, MalformedEntry, QueueFull, ResultTimeout
 from client.protocol import (
+    DEFAULT_TENANT,
     ENTRY_FIELD,
     LANES,
     MAX_EPOCH_MS,
@@ -407,7 +408,10 @@ class BaseClient:
         failover_timeout: float,
         wait_replicas: int,
         partitions: int,
+        tenant: str = DEFAULT_TENANT,
     ) -> None:
+        if not is_valid_name(tenant):
+            raise ValueError(f"tenant {tenant!r} must be 1-128 characters of [A-Za-z0-9._:-]")
         if connection_options(conn).get("decode_responses"):
             raise ValueError("llmq needs a redis client with decode_responses=False (entries are msgpack)")
         if max_queue_len < 0:
@@ -438,6 +442,7 @@ class BaseClient:
         self.keys = Keys(queue, prefix)
         self.keys.partitioned(partitions)  # validates the count
         self.partitions = partitions
+        self.tenant = tenant
         self._scripts = Scripts.register(conn)
         self.client_id = uuid.uuid4().hex  # names this client's private wake stream
 
@@ -532,14 +537,19 @@ class BaseClient:
         return list(groups.values())
 
     @contextmanager
-    def submitting(self, requests: list[GenerateRequest], keys: Keys, lane: str) -> Iterator[ScriptCall]:
-        """The `Submit` script's call for `requests` (one call's, of one partition), inside the submit's span when
-        tracing records (`client.tracing`; the entries carry its context): `check_submitted` ends it with the
-        script's answer, a failure that leaves the block ends it as failed. Raises `InvalidRequest` for an unknown
-        lane."""
+    def submitting(
+        self, requests: list[GenerateRequest], keys: Keys, lane: str, tenant: str | None = None
+    ) -> Iterator[ScriptCall]:
+        """The `Submit` script's call for `requests` (one call's, of one partition), owned by `tenant` (None: this
+        client's), inside the submit's span when tracing records (`client.tracing`; the entries carry its context):
+        `check_submitted` ends it with the script's answer, a failure that leaves the block ends it as failed.
+        Raises `InvalidRequest` for an unknown lane or a tenant that is no name."""
         first = requests[0]
         if lane not in LANES:
             raise InvalidRequest(f"priority must be one of {', '.join(LANES)}, not {lane!r}", first.id)
+        tenant = self.tenant if tenant is None else tenant
+        if not is_valid_name(tenant):
+            raise InvalidRequest(f"tenant {tenant!r} must be 1-128 characters of [A-Za-z0-9._:-]", first.id)
         trace = tracing.start_submit(first, keys, lane)
         try:
             yield Submit.pack(
@@ -552,6 +562,8 @@ class BaseClient:
                 self.client_id,
                 trace,
                 [affinity_key(request) for request in requests],
+                tenant,
+                [request.estimated_tokens() for request in requests],
             )
         except BaseException as error:
             tracing.end_submit("failed", error=f"{type(error).__name__}: {error}")

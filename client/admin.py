@@ -143,7 +143,11 @@ class Admin:
             (name, what, key)
             for name in names
             for part in self.keys(name).partitioned(max(found[name]) + 1)
-            for what, key in [*(("lane", lane) for lane in part.lanes.values()), ("dead", part.dead)]
+            for what, key in [
+                *(("lane", stream) for stream in part.lanes.values()),
+                *(("lane", part.held(lane)) for lane in part.lanes),  # held for fair share: waiting all the same
+                ("dead", part.dead),
+            ]
         ]
         reads += [(name, "workers", self.keys(name).workers) for name in names]
 

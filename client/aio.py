@@ -40,6 +40,7 @@ from client.failover import (
 )
 from client.protocol import (
     DEFAULT_PREFIX,
+    DEFAULT_TENANT,
     ChatMessage,
     GenerateRequest,
     Lane,
@@ -88,6 +89,7 @@ class AsyncClient(BaseClient):
         failover_timeout: float = FAILOVER_TIMEOUT_S,
         wait_replicas: int = 0,
         partitions: int = 1,
+        tenant: str = DEFAULT_TENANT,
         **redis_kwargs: Any,
     ) -> None:
         own = redis is None
@@ -107,6 +109,7 @@ class AsyncClient(BaseClient):
             failover_timeout=failover_timeout,
             wait_replicas=wait_replicas,
             partitions=partitions,
+            tenant=tenant,
         )
         self._muxes: dict[str, AsyncResultMux] = {}
 
@@ -190,6 +193,7 @@ class AsyncClient(BaseClient):
         request_id: str | None = None,
         reply_to: str | None = None,
         priority: Lane = "default",
+        tenant: str | None = None,
     ) -> AsyncJob:
         """Queue one request (exactly one of `prompt`, `messages`, `input_ids`) and return its job.
 
@@ -213,8 +217,9 @@ class AsyncClient(BaseClient):
         partition), and the job returned is an `AsyncChoices` (`Result.choices`, deltas with their `index`); a failure
         part way (a partitioned queue's later partition) cancels the choices submitted, unless `request_id` was
         given (then submitting again attaches to them and submits the rest). `priority` is the lane:
-        `interactive` (served first, and may preempt lower lanes), `default` or `batch`. Raises `QueueFull`
-        when the lane has no room for the request (or for all `n`) within `max_queue_len`.
+        `interactive` (served first, and may preempt lower lanes), `default` or `batch`; `tenant` (the client's
+        `tenant` when None) owns it: workers share the fleet between tenants by their weights (`docs/tenants.md`).
+        Raises `QueueFull` when the lane has no room for the request (or for all `n`) within `max_queue_len`.
         """
         self.ensure_open()
         self.keys_for(queue)  # a bad queue name is refused first
@@ -249,7 +254,7 @@ class AsyncClient(BaseClient):
         jobs: list[AsyncJob] = []
         try:
             for keys, group in self.partition_groups(requests, queue):
-                jobs += await self._submit_group(group, keys, priority)
+                jobs += await self._submit_group(group, keys, priority, tenant)
         except BaseException:
             if request_id is None:  # nobody can submit again into the choices submitted: stop them
                 for submitted in jobs:
@@ -260,9 +265,11 @@ class AsyncClient(BaseClient):
             return jobs[0]
         return AsyncChoices(self, base, self.keys_for(queue, base), jobs)
 
-    async def _submit_group(self, requests: list[GenerateRequest], keys: Keys, priority: Lane) -> list[AsyncJob]:
+    async def _submit_group(
+        self, requests: list[GenerateRequest], keys: Keys, priority: Lane, tenant: str | None
+    ) -> list[AsyncJob]:
         """One script call for a call's requests of one partition (`Submit`: all or nothing)."""
-        with self.submitting(requests, keys, priority) as call:
+        with self.submitting(requests, keys, priority, tenant) as call:
             outcomes = await self._retry(
                 "a submit", lambda: self._scripts.submit.run_async(self._redis, call, self.wait_replicas)
             )

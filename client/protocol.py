@@ -31,8 +31,10 @@ from client.errors import (
 __all__ = [
     "AFFINITY_FIELD",
     "BOUNDS",
+    "COST_FIELD",
     "DEFAULT_MAX_NEW_TOKENS",
     "DEFAULT_PREFIX",
+    "DEFAULT_TENANT",
     "ENTRY_FIELD",
     "GREEDY_BELOW_TEMPERATURE",
     "LANES",
@@ -49,6 +51,7 @@ __all__ = [
     "MIN_SEED",
     "NOTIFY_FIELD",
     "PROTOCOL_VERSION",
+    "TENANT_FIELD",
     "TRACE_FIELD",
     "Bound",
     "ChatMessage",
@@ -118,6 +121,13 @@ MAX_TRACE_BYTES = 4096  # a carrier this big is no trace context: it is ignored 
 # workers route it to the worker whose prefix cache likely holds that start. Outside the request too, so a worker
 # that predates it ignores it.
 AFFINITY_FIELD = b"k"
+# A request entry's optional fifth and sixth fields: the tenant that owns it (who pays; `DEFAULT_TENANT` when the
+# caller names none) and its estimated cost in tokens (`GenerateRequest.estimated_tokens`), by which workers share
+# the fleet between tenants (`docs/tenants.md`). Outside the request too, so a worker that predates them ignores
+# them.
+TENANT_FIELD = b"o"
+COST_FIELD = b"c"
+DEFAULT_TENANT = "default"
 
 # Request ids, queue names and prefixes end up inside key names and hash tags: no braces, no spaces.
 _NAME_CHARS = r"[A-Za-z0-9._:-]{1,128}"
@@ -727,7 +737,7 @@ def choice_ids(request_id: str, n: int) -> list[str]:
 
 
 def is_valid_name(name: object) -> bool:
-    """Whether a request id, queue name or prefix may be used in key names: 1-128 of [A-Za-z0-9._:-]."""
+    """Whether a request id, queue name, prefix or tenant may be used in key names: 1-128 of [A-Za-z0-9._:-]."""
     return isinstance(name, str) and _NAME.fullmatch(name) is not None
 
 

@@ -11,6 +11,7 @@ Scripts are registered once per connection (`Scripts.register`), one typed wrapp
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -149,6 +150,45 @@ class Keys:
             self.affinity_loads,
         ]
 
+    def held(self, lane: str) -> str:
+        """Stream of one lane's requests held for fair share between tenants (`docs/tenants.md`): workers move
+        them to the lane's stream (`lane`) in fair order as slots free; emptied, as the lanes' streams are."""
+        return f"{self.tag}:held:{lane}"
+
+    def held_order(self, lane: str) -> str:
+        """Sorted set (all scores 0, read by lex range): "<tenant>\\0<entry id, padded>" per held entry, so each
+        tenant's oldest held entry is one range read away."""
+        return f"{self.tag}:held:{lane}:order"
+
+    def fair(self, lane: str) -> str:
+        """Sorted set: tenant with held entries -> its virtual time (tokens served over its weight)."""
+        return f"{self.tag}:fair:{lane}"
+
+    def fair_idle(self, lane: str) -> str:
+        """Hash: the lane's virtual clock (field "") and each tenant's virtual time when it last had nothing held."""
+        return f"{self.tag}:fair:{lane}:idle"
+
+    @property
+    def tenant_weights(self) -> str:
+        """Hash: tenant -> its weight in fair share (1 when absent); `llmq tenants` writes every partition's."""
+        return f"{self.tag}:tenants:weights"
+
+    @property
+    def fair_readers(self) -> str:
+        """Set (with a TTL) while a worker that moves held requests reads this partition: clients hold requests
+        for fair share only then, so a fleet of workers that predate it still gets every request."""
+        return f"{self.tag}:held:readers"
+
+    def fairness(self, lanes: Sequence[str]) -> list[str]:
+        """Every key of fair share for `lanes`, in the order `read.lua` takes them: per lane its held stream,
+        order, virtual times and idle hash; then the weights and the readers' mark."""
+        per_lane = [
+            key
+            for lane in lanes
+            for key in (self.held(lane), self.held_order(lane), self.fair(lane), self.fair_idle(lane))
+        ]
+        return [*per_lane, self.tenant_weights, self.fair_readers]
+
     def result(self, request_id: str) -> str:
         """Stream of one request's events; every write refreshes its TTL."""
         return f"{self.tag}:result:{request_id}"
@@ -187,9 +227,10 @@ BACKLOG_SAMPLE = 100  # entries per lane whose size is averaged for `LaneStatus.
 
 @dataclass(frozen=True)
 class LaneStatus:
-    """One lane of a queue: its stream's depth (waiting + running), the consumer group's pending (delivered,
-    unacknowledged) and lag (undelivered; 0 while workers take all they can batch, so not a scaling signal on
-    its own), and the backlog: requests, tokens (prompt + `max_new_tokens`, estimated from the oldest
+    """One lane of a queue: its depth (waiting + running), of which `held` wait in the held stream for fair share
+    between tenants (`docs/tenants.md`), the consumer group's pending (delivered, unacknowledged) and lag
+    (undelivered, held ones included; 0 while workers take all they can batch, so not a scaling signal on its
+    own), and the backlog: requests, tokens (prompt + `max_new_tokens`, estimated from the oldest
     `BACKLOG_SAMPLE` entries; a prompt given as text counts 4 bytes a token) and seconds at the fleet's rate."""
 
     lane: str
@@ -199,6 +240,7 @@ class LaneStatus:
     oldest_pending_age_s: float | None
     backlog_tokens: int
     backlog_seconds: float | None
+    held: int = 0
 
 
 @dataclass(frozen=True)
@@ -250,7 +292,7 @@ def _group_stats(groups: Any, group: bytes) -> tuple[int | None, int | None]:
 
 
 _HEAD = 4  # replies before the lanes' in `queue_status_commands`
-_PER_LANE = 4  # replies per lane in `queue_status_commands`
+_PER_LANE = 6  # replies per lane in `queue_status_commands`
 
 
 def queue_status_commands(pipe: Any, keys: Keys, partitions: int = 1) -> None:
@@ -260,11 +302,13 @@ def queue_status_commands(pipe: Any, keys: Keys, partitions: int = 1) -> None:
         pipe.hgetall(part.workers)
         pipe.get(part.fleet_rate)
         pipe.hgetall(part.prefix_caches)
-        for stream in part.lanes.values():
+        for lane, stream in part.lanes.items():
             pipe.xlen(stream)
+            pipe.xlen(part.held(lane))
             pipe.xinfo_groups(stream)
             pipe.xpending(stream, CONSUMER_GROUP)
             pipe.xrange(stream, count=BACKLOG_SAMPLE)
+            pipe.xrange(part.held(lane), count=BACKLOG_SAMPLE)
 
 
 def queue_cancel_commands(pipe: Any, keys: Keys, request_id: str, ttl: int, *, sharded: bool) -> None:
@@ -363,6 +407,7 @@ def merge_partitions(statuses: list[QueueStatus]) -> QueueStatus:
                 oldest_pending_age_s=_oldest([one.oldest_pending_age_s for one in each]),
                 backlog_tokens=tokens,
                 backlog_seconds=tokens / first.tokens_per_s if first.tokens_per_s else None,
+                held=sum(one.held for one in each),
             )
         )
     return replace(
@@ -385,18 +430,22 @@ def _oldest(ages: list[float | None]) -> float | None:
 
 
 def _lane_status(lane: str, replies: list[Any], tokens_per_s: float | None) -> LaneStatus:
-    depth, groups, pending_summary, sample = replies
+    depth, held, groups, pending_summary, sample, held_sample = replies
     if isinstance(depth, Exception):
         raise depth
+    held = 0 if isinstance(held, Exception) else held
+    depth += held
     pending, lag = _group_stats(groups, CONSUMER_GROUP.encode())
-    sizes = [] if isinstance(sample, Exception) else [_entry_tokens(fields) for _, fields in sample]
+    samples = [reply for reply in (sample, held_sample) if not isinstance(reply, Exception)]
+    sizes = [_entry_tokens(fields) for reply in samples for _, fields in reply]
     known = [size for size in sizes if size is not None]
     tokens = round(depth * sum(known) / len(known)) if known else 0
     return LaneStatus(
         lane=lane,
         depth=depth,
+        held=held,
         pending=pending,
-        lag=lag,
+        lag=None if lag is None else lag + held,
         oldest_pending_age_s=_oldest_pending_age_s(pending_summary),
         backlog_tokens=tokens,
         backlog_seconds=tokens / tokens_per_s if tokens_per_s else None,

@@ -40,6 +40,7 @@ from client.errors import ClientClosed, LLMQError, QueueFull
 from client.failover import FAILOVER_TIMEOUT_S, REDIS_FAILURES, refused, retry_sync, unavailable
 from client.protocol import (
     DEFAULT_PREFIX,
+    DEFAULT_TENANT,
     ChatMessage,
     GenerateRequest,
     Lane,
@@ -88,6 +89,7 @@ class Client(BaseClient):
         failover_timeout: float = FAILOVER_TIMEOUT_S,
         wait_replicas: int = 0,
         partitions: int = 1,
+        tenant: str = DEFAULT_TENANT,
         **redis_kwargs: Any,
     ) -> None:
         own = redis is None
@@ -106,6 +108,7 @@ class Client(BaseClient):
             failover_timeout=failover_timeout,
             wait_replicas=wait_replicas,
             partitions=partitions,
+            tenant=tenant,
         )
         self._muxes: dict[str, ResultMux] = {}
         self._muxes_lock = threading.Lock()
@@ -166,6 +169,7 @@ class Client(BaseClient):
         request_id: str | None = None,
         reply_to: str | None = None,
         priority: Lane = "default",
+        tenant: str | None = None,
     ) -> Job:
         """Queue one request (exactly one of `prompt`, `messages`, `input_ids`) and return its job.
 
@@ -189,8 +193,9 @@ class Client(BaseClient):
         partition), and the job returned is a `Choices` (`Result.choices`, deltas with their `index`); a failure
         part way (a partitioned queue's later partition) cancels the choices submitted, unless `request_id` was
         given (then submitting again attaches to them and submits the rest). `priority` is the lane:
-        `interactive` (served first, and may preempt lower lanes), `default` or `batch`. Raises `QueueFull`
-        when the lane has no room for the request (or for all `n`) within `max_queue_len`.
+        `interactive` (served first, and may preempt lower lanes), `default` or `batch`; `tenant` (the client's
+        `tenant` when None) owns it: workers share the fleet between tenants by their weights (`docs/tenants.md`).
+        Raises `QueueFull` when the lane has no room for the request (or for all `n`) within `max_queue_len`.
         """
         self.ensure_open()
         self.keys_for(queue)  # a bad queue name is refused first
@@ -225,7 +230,7 @@ class Client(BaseClient):
         jobs: list[Job] = []
         try:
             for keys, group in self.partition_groups(requests, queue):
-                jobs += self._submit_group(group, keys, priority)
+                jobs += self._submit_group(group, keys, priority, tenant)
         except BaseException:
             if request_id is None:  # nobody can submit again into the choices submitted: stop them
                 for submitted in jobs:
@@ -236,9 +241,11 @@ class Client(BaseClient):
             return jobs[0]
         return Choices(self, base, self.keys_for(queue, base), jobs)
 
-    def _submit_group(self, requests: list[GenerateRequest], keys: Keys, priority: Lane) -> list[Job]:
+    def _submit_group(
+        self, requests: list[GenerateRequest], keys: Keys, priority: Lane, tenant: str | None
+    ) -> list[Job]:
         """One script call for a call's requests of one partition (`Submit`: all or nothing)."""
-        with self.submitting(requests, keys, priority) as call:
+        with self.submitting(requests, keys, priority, tenant) as call:
             outcomes = self._retry(
                 "a submit", lambda: self._scripts.submit.run_sync(self._redis, call, self.wait_replicas)
             )

@@ -277,6 +277,7 @@ class FaultReport:
     poison_answered: int = 0  # a typed error within 30 s
     engine_restarts: int = 0
     stuck_workers: int = 0  # did not exit 0 by themselves on SIGTERM
+    held_keys: int = 0  # cache affinity's keys with a holder at the end
     exit_codes: dict[str, int] = field(default_factory=dict)
 
 
@@ -288,14 +289,20 @@ async def run_faults(
     malformed: int,
     seed: int,
     hostile: list[tuple[str, bytes]] | None = None,
+    shared_starts: int = 0,
 ) -> FaultReport:
     """Streams `requests` greedy requests through the cluster's workers while injecting `faults` (each one of
     kill, stop, term, redis) at random moments and interleaving `malformed` bad entries and `hostile`
-    requests (each must be answered with a typed error within 30 s); then checks."""
+    requests (each must be answered with a typed error within 30 s); then checks. With `shared_starts`, the
+    prompts begin with one of that many 80-token starts, so cache affinity gives each start a holder."""
     import random
 
     rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(2, 40))] for _ in range(requests)]
+    starts = [[rng.randrange(3, 300) for _ in range(80)] for _ in range(shared_starts)]
+    prompts = [
+        [*(starts[i % shared_starts] if starts else []), *(rng.randrange(3, 300) for _ in range(rng.randint(2, 40)))]
+        for i in range(requests)
+    ]
     lengths = [rng.randint(60, 160) for _ in range(requests)]
     expected = await expected_outputs(cluster.model_dir, prompts, lengths)
     hostile = list(hostile or [])
@@ -341,6 +348,7 @@ async def run_faults(
         report.requests_left = await redis.xlen(KEYS.requests)
         report.dead_letters = await redis.xlen(KEYS.dead)
         report.unbounded_keys = len(await unbounded_keys(redis))
+        report.held_keys = await redis.hlen(KEYS.affinity_holders)
     report.exit_codes.update(cluster.stop())
     report.stuck_workers = sum(code != 0 for code in report.exit_codes.values())
     report.engine_restarts = cluster.engine_failures()

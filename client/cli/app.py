@@ -12,7 +12,7 @@ from typing import Any
 from redis.exceptions import RedisClusterException, RedisError
 
 from client.admin import Admin
-from client.cli import dead
+from client.cli import dead, tenants
 from client.cli.chat import chat
 from client.cli.context import Context
 from client.cli.exits import Exit, failure
@@ -34,6 +34,9 @@ HANDLERS: dict[str, Callable[[Context], Exit]] = {
     "dead replay": dead.replay,
     "dead drop": dead.drop,
     "batch": batch,
+    "tenants list": tenants.listing,
+    "tenants set": tenants.set_weight,
+    "tenants unset": tenants.unset_weight,
 }
 
 
@@ -41,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build(HANDLERS).parse_args(argv)
     options: dict[str, Any] = {"prefix": args.prefix, "partitions": args.partitions}
     try:
-        with Client(args.url, queue=args.queue, **options) as client, closing(Admin(args.url, **options)) as admin:
+        with (
+            Client(args.url, queue=args.queue, tenant=args.tenant, **options) as client,
+            closing(Admin(args.url, **options)) as admin,
+        ):
             return int(args.run(Context(args, client, admin)))
     except KeyboardInterrupt:  # the job followed, if any, was cancelled on the way out
         return Exit.INTERRUPTED

@@ -17,7 +17,7 @@ from typing import Any
 from client import __version__
 from client._core import DEFAULT_URL
 from client.admin import MAX_SCANNED_KEYS
-from client.protocol import DEFAULT_PREFIX, LANES, SamplingParams
+from client.protocol import DEFAULT_PREFIX, DEFAULT_TENANT, LANES, SamplingParams
 
 DEFAULT_TIMEOUT_S = 600.0  # how long submit, attach and each chat answer wait for a result, unless told
 STALE_AFTER_S = 15.0  # seconds without a heartbeat after which a worker counts as gone
@@ -77,6 +77,11 @@ def _connection(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
         type=int,
         default=default(os.environ.get("LLMQ_QUEUE_PARTITIONS", "1")),  # a string default goes through `type` too
         help="the queue's partitions, as the workers' LLMQ_QUEUE_PARTITIONS (default: $LLMQ_QUEUE_PARTITIONS, else 1)",
+    )
+    group.add_argument(
+        "--tenant",
+        default=default(os.environ.get("LLMQ_TENANT", DEFAULT_TENANT)),
+        help=f"who the requests submitted belong to, for fair share (default: $LLMQ_TENANT, else {DEFAULT_TENANT})",
     )
 
 
@@ -164,6 +169,7 @@ def build(handlers: dict[str, Callable[..., Any]]) -> argparse.ArgumentParser:
     cancel.add_argument("request_id")
 
     _dead(commands.add("dead", None, "list, show, replay or drop the queue's dead letters"), handlers)
+    _tenants(commands.add("tenants", None, "list the queue's tenants, or set or unset a tenant's weight"), handlers)
 
     batch = commands.add(
         "batch",
@@ -180,6 +186,17 @@ def build(handlers: dict[str, Callable[..., Any]]) -> argparse.ArgumentParser:
     batch.add_argument("--timeout", type=seconds, default=None, help="seconds to wait for each result")
     batch.add_argument("--priority", choices=LANES, default="batch", help="lane, unless a line names a service_tier")
     return parser
+
+
+def _tenants(tenants: argparse.ArgumentParser, handlers: dict[str, Callable[..., Any]]) -> None:
+    commands = _Commands(tenants, "action")
+    listing = commands.add("list", handlers["tenants list"], "each tenant's weight and requests held, lane by lane")
+    listing.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+    weight = commands.add("set", handlers["tenants set"], "set a tenant's weight in fair share (default weight: 1)")
+    weight.add_argument("tenant", metavar="TENANT")
+    weight.add_argument("--weight", type=float, required=True, help="its share against others' (> 0)")
+    unset = commands.add("unset", handlers["tenants unset"], "give a tenant the default weight again")
+    unset.add_argument("tenant", metavar="TENANT")
 
 
 def _dead(dead: argparse.ArgumentParser, handlers: dict[str, Callable[..., Any]]) -> None:

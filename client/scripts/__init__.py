@@ -31,7 +31,16 @@ from importlib import resources
 from string import Template
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from client.protocol import AFFINITY_FIELD, ENTRY_FIELD, LANES, NOTIFY_FIELD, TRACE_FIELD, Lane
+from client.protocol import (
+    AFFINITY_FIELD,
+    COST_FIELD,
+    ENTRY_FIELD,
+    LANES,
+    NOTIFY_FIELD,
+    TENANT_FIELD,
+    TRACE_FIELD,
+    Lane,
+)
 from client.replication import run_script_async, run_script_sync
 
 if TYPE_CHECKING:
@@ -87,16 +96,20 @@ PUBLISH_HEADER_ARGS = 4  # group, reply MAXLEN, wake MAXLEN, wake TTL
 PUBLISH_KEYS_PER_EVENT = 5  # request stream, result stream, fence hash, reply stream, wake stream
 PUBLISH_ARGS_PER_EVENT = 7  # attempt, ttl, event, seq, size, entry id to acknowledge, completion
 AFFINITY_MAX_KEYS = 10_000  # keys with a holder per queue partition; past it the least recently used is forgotten
+FAIR_IDLE_TTL_MS = 86_400_000  # a lane's fair-share clock and idle tenants' virtual times outlive a day of silence
 
 # Everything the Lua sources name with `${NAME}`: Python's values, written into the source at load time.
 LUA_CONSTANTS: dict[str, str | bytes | int | tuple[str, ...]] = {
     "ENTRY_FIELD": ENTRY_FIELD,
     "AFFINITY_FIELD": AFFINITY_FIELD,
+    "TENANT_FIELD": TENANT_FIELD,
+    "COST_FIELD": COST_FIELD,
     "NOTIFY_FIELD": NOTIFY_FIELD,
     "TRACE_FIELD": TRACE_FIELD,
     "WAKE_NOTICE": WAKE_NOTICE,
     "AFFINITY_NOTICE": AFFINITY_NOTICE,
     "AFFINITY_MAX_KEYS": AFFINITY_MAX_KEYS,
+    "FAIR_IDLE_TTL_MS": FAIR_IDLE_TTL_MS,
     "FENCE_ATTEMPT": Fence.ATTEMPT,
     "FENCE_WRITTEN": Fence.WRITTEN,
     "FENCE_HANDED_BACK": Fence.HANDED_BACK,
@@ -169,10 +182,11 @@ class LuaScript:
 
 
 class Submit(LuaScript):
-    """KEYS: the lane's request stream, then each request's idempotency marker. ARGV: the lane's limit (0 = none),
-    the result TTL, the client id, the trace context (`TRACE_FIELD`, b"" for none), then per request its entry and
-    its affinity key (`AFFINITY_FIELD`, b"" for none). Reply: a `SubmitOutcome` per request (all FULL, or each
-    ADDED or DUPLICATE)."""
+    """KEYS: the lane's request stream and its fair-share keys (`Keys.fairness` of the lane, less the weights),
+    then each request's idempotency marker. ARGV: the lane's limit (0 = none), the result TTL, the client id, the
+    trace context (`TRACE_FIELD`, b"" for none), the tenant (b"" for none), then per request its entry, its
+    affinity key (`AFFINITY_FIELD`, b"" for none) and its estimated cost in tokens. Reply: a `SubmitOutcome` per
+    request (all FULL, or each ADDED or DUPLICATE)."""
 
     name = "submit"
 
@@ -187,10 +201,14 @@ class Submit(LuaScript):
         client_id: str,
         trace: bytes = b"",
         affinities: Sequence[bytes] | None = None,
+        tenant: str = "",
+        costs: Sequence[int] | None = None,
     ) -> ScriptCall:
         markers = [keys.submitted(request_id) for request_id in request_ids]
-        pairs = [item for pair in zip(entries, affinities or [b""] * len(entries), strict=True) for item in pair]
-        return ScriptCall([keys.lane(lane), *markers], [limit, ttl_s, client_id, trace, *pairs])
+        fairness = [keys.held(lane), keys.held_order(lane), keys.fair(lane), keys.fair_idle(lane), keys.fair_readers]
+        per_request = zip(entries, affinities or [b""] * len(entries), costs or [0] * len(entries), strict=True)
+        args = [item for triple in per_request for item in triple]
+        return ScriptCall([keys.lane(lane), *fairness, *markers], [limit, ttl_s, client_id, trace, tenant, *args])
 
     @staticmethod
     def parse(reply: Any) -> list[SubmitOutcome]:
@@ -255,10 +273,11 @@ class ReadEntry:
 
 @dataclass(frozen=True, slots=True)
 class ReadReply:
-    """The entries read, in order. When there were none: each lane's stream, and the affinity wake stream, -> its
-    newest entry id (for XREAD), and `retry_ms`, how soon an entry assigned to another worker may be taken here
-    (None: no such entry). `assigned`, `taken` and `stolen` count this call's affinity moves (`read.lua`);
-    `overflow`, the entries read here although another worker holds their key, because its queue was full."""
+    """The entries read, in order. When there were none: each lane's stream, the affinity wake stream and each
+    lane's held stream -> its newest entry id (for XREAD), and `retry_ms`, how soon an entry assigned to another
+    worker may be taken here (None: no such entry). `assigned`, `taken` and `stolen` count this call's affinity
+    moves (`read.lua`); `overflow`, the entries read here although another worker holds their key, because its queue
+    was full."""
 
     entries: list[ReadEntry]
     last: dict[str, bytes]
@@ -285,7 +304,8 @@ ROUTED_LANES: frozenset[Lane] = frozenset({"default", "batch"})  # an interactiv
 
 
 class Read(LuaScript):
-    """KEYS: the lanes' request streams, then the queue partition's affinity keys (`Keys.affinity`). ARGV: group,
+    """KEYS: the lanes' request streams, then the queue partition's affinity keys (`Keys.affinity`), then its
+    fair-share keys for those lanes (`Keys.fairness`). ARGV: group,
     consumer, free, wait ms, live ms, hold ms, queue, whether to report the free slots left, the number of lanes
     and their names, then triples of (1-based lane index, wanted, routed). Reply: `ReadReply`."""
 
@@ -298,7 +318,7 @@ class Read(LuaScript):
             ReadEntry(lanes[int(index) - 1], _bytes(entry_id), dict(zip(flat[::2], flat[1::2], strict=True)))
             for index, entry_id, flat in read
         ]
-        streams = [*(keys.lane(lane) for lane in lanes), keys.affinity_wake]
+        streams = [*(keys.lane(lane) for lane in lanes), keys.affinity_wake, *(keys.held(lane) for lane in lanes)]
         newest = {stream: _bytes(entry_id) for stream, entry_id in zip(streams, last, strict=False)}
         assigned, taken, stolen, overflow = (int(count) for count in counts)
         retry_ms = int(retry) if int(retry) >= 0 else None
@@ -322,9 +342,7 @@ class Read(LuaScript):
         for lane, wanted in steps:
             args += [lanes.index(lane) + 1, wanted, int(lane in ROUTED_LANES)]
         streams = [keys.lane(lane) for lane in lanes]
-        reply = await self.registered(
-            keys=[*streams, *keys.affinity], args=args
-        )
+        reply = await self.registered(keys=[*streams, *keys.affinity, *keys.fairness(lanes)], args=args)
         return self.parse(keys, lanes, reply)
 
 

@@ -28,6 +28,7 @@ local wait, live, hold, queue = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(A
 local report, lanes = tonumber(ARGV[8]) == 1, tonumber(ARGV[9])
 local assigned, workers, wake = KEYS[lanes + 1], KEYS[lanes + 2], KEYS[lanes + 3]
 local holders, used, loads = KEYS[lanes + 4], KEYS[lanes + 5], KEYS[lanes + 6]
+local weights, readers = KEYS[lanes + 6 + 4 * lanes + 1], KEYS[lanes + 6 + 4 * lanes + 2]
 local names = {}
 for i = 1, lanes do
   names[i] = ARGV[9 + i]
@@ -129,6 +130,46 @@ local function field(fields, name)
     end
   end
   return nil
+end
+
+-- Fair share between tenants: moves up to `count` held entries of `lane` to its stream, each time the oldest of
+-- the tenant with the least virtual time (tokens moved over its weight, `COST_FIELD`), which then grows by the
+-- entry's cost over the tenant's weight; the lane's clock is the virtual time of the latest move (a tenant that
+-- starts holding again starts there). Returns how many moved.
+local function promote(lane, count)
+  local base = lanes + 6 + 4 * (lane - 1)
+  local held, order, fair, idle = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
+  local moved = 0
+  while moved < count do
+    local first = redis.call('ZRANGE', fair, 0, 0, 'WITHSCORES')
+    if #first == 0 then
+      break
+    end
+    local tenant, vtime = first[1], tonumber(first[2])
+    local head = redis.call('ZRANGEBYLEX', order, '[' .. tenant .. '\0', '(' .. tenant .. '\1', 'LIMIT', 0, 2)
+    if head[1] then
+      redis.call('ZREM', order, head[1])
+      local id = string.match(head[1], '%z[^%z]*%z(.+)')
+      local entry = redis.call('XRANGE', held, id, id)[1]
+      if entry then
+        redis.call('XADD', KEYS[lane], '*', unpack(entry[2]))
+        redis.call('XDEL', held, id)
+        local weight = tonumber(redis.call('HGET', weights, tenant)) or 1
+        local cost = tonumber(field(entry[2], ${COST_FIELD})) or 1
+        redis.call('HSET', idle, '', vtime)
+        vtime = vtime + math.max(cost, 1) / (weight > 0 and weight or 1)
+        moved = moved + 1
+      end
+    end
+    if head[2] then
+      redis.call('ZADD', fair, vtime, tenant)
+    else
+      redis.call('ZREM', fair, tenant)
+      redis.call('HSET', idle, tenant, vtime)
+    end
+    redis.call('PEXPIRE', idle, ${FAIR_IDLE_TTL_MS})
+  end
+  return moved
 end
 
 -- Entries waiting for each worker: assignments not taken yet.
@@ -234,10 +275,17 @@ for i = 10 + lanes, #ARGV - 2, 3 do
     rounds = rounds + 1
     local asked = wanted
     local reply = redis.call('XREADGROUP', 'GROUP', group, me, 'COUNT', asked, 'STREAMS', KEYS[lane], '>')
-    if not reply then
+    local entries = reply and reply[1][2] or {}
+    -- Held entries move to the stream only as it runs dry, so the fair order decides what runs next.
+    if #entries < asked and promote(lane, asked - #entries) > 0 then
+      local more = redis.call('XREADGROUP', 'GROUP', group, me, 'COUNT', asked - #entries, 'STREAMS', KEYS[lane], '>')
+      for _, entry in ipairs(more and more[1][2] or {}) do
+        entries[#entries + 1] = entry
+      end
+    end
+    if #entries == 0 then
       break
     end
-    local entries = reply[1][2]
     for _, entry in ipairs(entries) do
       if not (routed and wait > 0 and assign(lane, entry[1], entry[2])) then
         read[#read + 1] = {lane, entry[1], entry[2]}
@@ -259,13 +307,14 @@ if wait > 0 and report then
   redis.call('HSET', workers, me, math.max(free, 0) .. ' ' .. now)
   redis.call('PEXPIRE', workers, 10 * live)
 end
+redis.call('SET', readers, 1, 'PX', 10 * live)  -- clients hold tenants' requests while a worker moves them
 
 local last, retry = {}, -1
 if #read == 0 then
-  for lane = 1, lanes + 1 do
-    local stream = lane <= lanes and KEYS[lane] or wake
+  for i = 1, 2 * lanes + 1 do
+    local stream = i <= lanes and KEYS[i] or (i == lanes + 1 and wake or KEYS[lanes + 6 + 4 * (i - lanes - 2) + 1])
     local newest = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
-    last[lane] = newest[1] and newest[1][1] or '0-0'
+    last[i] = newest[1] and newest[1][1] or '0-0'
   end
   local members = redis.call('ZRANGE', assigned, 0, -1, 'WITHSCORES')
   for i = 1, #members, 2 do

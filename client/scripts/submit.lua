@@ -1,39 +1,68 @@
 -- The client's submit of one call's requests (one, or its `n` choices): an atomic, all-or-nothing check-and-add.
--- KEYS: the lane's request stream, then each request's idempotency marker; ARGV: the lane's limit (0 = none), the
--- result TTL, the client id (its wake stream's name), the submitter's trace context ('' = none: an entry field of
--- its own, which a worker that predates it ignores), then per request its entry and its affinity key
--- (`AFFINITY_FIELD`, '' = none: a field a worker that predates it ignores too). Answers, per request, ADDED or
--- DUPLICATE (submitted before: nothing added), or FULL for every one when the backlog has no room for the new ones
--- (nothing added, not even a marker). Added in one call, a call's requests enter the stream together, so the
--- worker that reads first takes them all and computes their shared prompt once. Workers XDEL finished requests,
--- so XLEN of the stream is the lane's backlog.
+-- KEYS: the lane's request stream, its held stream, held order, virtual times and idle hash (`Keys.fairness`), the
+-- readers' mark, then each request's idempotency marker; ARGV: the lane's limit (0 = none), the result TTL, the
+-- client id (its wake stream's name), the submitter's trace context ('' = none: an entry field of its own, which a
+-- worker that predates it ignores), the tenant ('' = none), then per request its entry, its affinity key
+-- (`AFFINITY_FIELD`, '' = none: a field a worker that predates it ignores too) and its estimated cost in tokens.
+-- Answers, per request, ADDED or DUPLICATE (submitted before: nothing added), or FULL for every one when the
+-- backlog has no room for the new ones (nothing added, not even a marker). Added in one call, a call's requests
+-- enter the stream together, so the worker that reads first takes them all and computes their shared prompt once.
+-- Workers XDEL finished requests, so XLEN of the stream and of the held stream is the lane's backlog.
+--
+-- Fair share (`docs/tenants.md`): while a worker that moves held requests reads the partition (the readers' mark),
+-- a tenant's requests are held: added to the held stream and indexed by tenant, and the tenant, if it had nothing
+-- held, joins the fair queue at the lane's virtual clock (or its own virtual time, if that is ahead: a tenant
+-- cannot bank idle time). Workers move held requests to the lane's stream in fair order (`read.lua`).
+local stream, held, order, fair, idle, readers = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local markers = 6
 local answers, new = {}, {}
-for i = 2, #KEYS do
+for i = markers + 1, #KEYS do
   if redis.call('EXISTS', KEYS[i]) == 1 then
-    answers[i - 1] = ${SUBMIT_DUPLICATE}
+    answers[i - markers] = ${SUBMIT_DUPLICATE}
   else
-    answers[i - 1] = ${SUBMIT_ADDED}
-    new[#new + 1] = i
+    answers[i - markers] = ${SUBMIT_ADDED}
+    new[#new + 1] = i - markers
   end
 end
-local limit = tonumber(ARGV[1])
-if #new > 0 and limit > 0 and redis.call('XLEN', KEYS[1]) + #new > limit then
+local limit, tenant = tonumber(ARGV[1]), ARGV[5]
+if #new > 0 and limit > 0 and redis.call('XLEN', stream) + redis.call('XLEN', held) + #new > limit then
   for i = 1, #answers do
     answers[i] = ${SUBMIT_FULL}
   end
   return answers
 end
+local hold = tenant ~= '' and redis.call('EXISTS', readers) == 1
+if hold and #new > 0 and not redis.call('ZSCORE', fair, tenant) then
+  local clock = tonumber(redis.call('HGET', idle, '') or 0)
+  local own = tonumber(redis.call('HGET', idle, tenant) or 0)
+  redis.call('ZADD', fair, math.max(clock, own), tenant)
+  redis.call('HDEL', idle, tenant)
+end
 for _, i in ipairs(new) do
-  redis.call('SET', KEYS[i], 1, 'EX', ARGV[2])
-  local fields = {${ENTRY_FIELD}, ARGV[2 * i + 1], ${NOTIFY_FIELD}, ARGV[3]}
+  redis.call('SET', KEYS[markers + i], 1, 'EX', ARGV[2])
+  local at = 3 * i + 3
+  local fields = {${ENTRY_FIELD}, ARGV[at], ${NOTIFY_FIELD}, ARGV[3]}
   if ARGV[4] ~= '' then
     fields[#fields + 1] = ${TRACE_FIELD}
     fields[#fields + 1] = ARGV[4]
   end
-  if ARGV[2 * i + 2] ~= '' then
+  if ARGV[at + 1] ~= '' then
     fields[#fields + 1] = ${AFFINITY_FIELD}
-    fields[#fields + 1] = ARGV[2 * i + 2]
+    fields[#fields + 1] = ARGV[at + 1]
   end
-  redis.call('XADD', KEYS[1], '*', unpack(fields))
+  if tenant ~= '' then
+    fields[#fields + 1] = ${TENANT_FIELD}
+    fields[#fields + 1] = tenant
+    fields[#fields + 1] = ${COST_FIELD}
+    fields[#fields + 1] = ARGV[at + 2]
+  end
+  if hold then
+    local id = redis.call('XADD', held, '*', unpack(fields))
+    local ms, seq = string.match(id, '^(%d+)-(%d+)')
+    local padded = string.rep('0', 20 - #ms) .. ms .. '-' .. string.rep('0', 20 - #seq) .. seq
+    redis.call('ZADD', order, 0, tenant .. '\0' .. padded .. '\0' .. id)
+  else
+    redis.call('XADD', stream, '*', unpack(fields))
+  end
 end
 return answers

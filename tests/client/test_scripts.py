@@ -40,10 +40,12 @@ REDIS_WORDS = {
     *("EXISTS", "XLEN", "SET", "EX", "XADD", "XPENDING", "XCLAIM", "JUSTID", "IDLE", "HINCRBY", "HMGET", "HSET"),
     *("EXPIRE", "MAXLEN", "XACK", "XDEL", "XREADGROUP", "GROUP", "COUNT", "STREAMS", "XREVRANGE"),
     *("HKEYS", "HDEL", "TIME", "ZADD", "ZRANGE", "ZREM", "WITHSCORES", "XRANGE", "PEXPIRE", "HGET"),
-    *("ZRANGEBYSCORE", "-inf", "LIMIT"),
+    *("ZRANGEBYSCORE", "-inf", "LIMIT", "ZSCORE", "ZRANGEBYLEX", "PX", "ZCARD", "[", "(", "\\0", "\\1"),
     *("", "*", "~", ">", "+", "-", "0", "0-0", " ", "table", "\\n"),  # "table": a Lua type name
     # Lua string patterns, which parse `read.lua`'s own records (its affinity set's members, its workers' reports)
     *("^(%-?%d+) (%d+)", "^(%S+) (%S+) (%d+) (%S+)"),
+    # ... and the fair share's: a held entry's id, and its record in the held order ("tenant\0padded id\0id")
+    *("^(%d+)-(%d+)", "%z[^%z]*%z(.+)"),
 }
 
 

@@ -29,6 +29,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 ROOT = Path(__file__).parent.parent.parent
+TENANCY = {protocol.TENANT_FIELD, protocol.COST_FIELD}  # every entry's tenant and cost, beside its trace context
 
 
 class SwitchedProvider(TracerProvider):
@@ -99,7 +100,7 @@ async def test_a_submit_is_a_producer_span_under_the_callers_and_its_context_rid
     with trace.get_tracer("test").start_as_current_span("caller") as caller:
         job = await twin.submit("hello", max_new_tokens=5, temperature=0.5, seed=3, priority="batch")
     [(_, fields)] = await server.xrange(KEYS.lane("batch"))
-    assert set(fields) == {protocol.ENTRY_FIELD, protocol.NOTIFY_FIELD, TRACE_FIELD, protocol.AFFINITY_FIELD}
+    assert set(fields) == {protocol.ENTRY_FIELD, protocol.NOTIFY_FIELD, TRACE_FIELD, protocol.AFFINITY_FIELD, *TENANCY}
     submit = spans_of(spans, job.id)["llmq.submit"]
     assert submit.kind is SpanKind.PRODUCER and submit.status.status_code is StatusCode.UNSET
     assert submit.parent is not None and submit.parent.span_id == caller.get_span_context().span_id
@@ -181,7 +182,7 @@ print(sorted(m for m in sys.modules if m.split(".")[0] == "opentelemetry")[:1])
 def test_without_opentelemetry_or_a_provider_a_submit_writes_no_trace_field(blocked: bool, redis_url: str) -> None:
     code = (BLOCK_OPENTELEMETRY if blocked else "") + f"URL = {redis_url!r}\n" + SUBMIT_AND_SHOW_FIELDS
     fields, loaded = run_python(code).splitlines()
-    assert fields == f"['k', 'm', 'n'] {not blocked} plain"
+    assert fields == f"['c', 'k', 'm', 'n', 'o'] {not blocked} plain"  # and no 't'
     assert (loaded == "[]") is blocked  # blocked: not even a module of it was loaded, and the client worked
 
 

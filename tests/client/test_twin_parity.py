@@ -48,5 +48,5 @@ def test_submit_takes_the_wire_models_sampling_fields_and_leaves_defaults_to_it(
         assert name in parameters, name
         assert parameters[name].default is None, f"{name}: the default lives in the wire model"
     others = {"self", "prompt", "messages", "input_ids", "tools", "queue", "deadline", "request_id", "reply_to"}
-    others |= {"priority", "n"}
+    others |= {"priority", "n", "tenant"}  # the entry's fields (lane, tenant) and the call's choices
     assert set(parameters) - set(SamplingParams.model_fields) == others

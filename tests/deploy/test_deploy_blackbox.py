@@ -537,8 +537,10 @@ def test_the_worker_reads_every_variable_the_rendered_pod_gets(overlay: str, tmp
     # the ScaledObject watches the streams of the queue the worker reads, with a target of 3/4 of max_running
     (so,) = of_kind(objs, "ScaledObject")
     streams = {t["metadata"]["stream"] for t in so["spec"]["triggers"]}
-    key = "{" + f"{got['prefix']}:{got['queue']}" + "}:requests"
-    assert streams == {key, key + ":interactive", key + ":batch"}
+    tag = "{" + f"{got['prefix']}:{got['queue']}" + "}"
+    key = f"{tag}:requests"
+    held = {f"{tag}:held:{lane}" for lane in ("interactive", "default", "batch")}  # fair share's held requests
+    assert streams == {key, key + ":interactive", key + ":batch", *held}
     assert int(so["spec"]["advanced"]["scalingModifiers"]["target"]) * 4 == got["max_running"] * 3
 
 

@@ -27,6 +27,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from client.protocol import LANES
 from client.store import CONSUMER_GROUP, Keys
 from tests.deploy.support import (
     BASE,
@@ -217,25 +218,35 @@ def lane_streams(env: dict[str, str]) -> dict[str, str]:
     return dict(Keys(env["LLMQ_QUEUE"], env["LLMQ_PREFIX"]).lanes)
 
 
+def held_streams(env: dict[str, str]) -> dict[str, str]:
+    keys = Keys(env["LLMQ_QUEUE"], env["LLMQ_PREFIX"])
+    return {lane: keys.held(lane) for lane in keys.lanes}
+
+
 @VARIANTS
-def test_every_lane_stream_has_a_lag_and_a_pending_trigger(variant: Path) -> None:
+def test_every_lane_stream_has_a_lag_and_a_pending_trigger_and_its_held_stream_a_length_one(variant: Path) -> None:
     objects = rendered(variant)
     triggers = one(objects, "ScaledObject")["spec"]["triggers"]
     auth = one(objects, "TriggerAuthentication")["metadata"]["name"]
-    streams = lane_streams(configmap_env(objects))
-    assert streams["default"] == "{llmq:default}:requests"
+    env = configmap_env(objects)
+    streams, held = lane_streams(env), held_streams(env)
+    assert streams["default"] == "{llmq:default}:requests" and held["batch"] == "{llmq:default}:held:batch"
     seen = set()
     for trigger in triggers:
         meta = trigger["metadata"]
         assert trigger["type"] == "redis-streams"
         assert trigger["authenticationRef"]["name"] == auth
+        if "streamLength" in meta:  # XLEN: a held stream has no consumer group
+            assert "consumerGroup" not in meta and int(meta["streamLength"]) > 0
+            seen.add((meta["stream"], "length"))
+            continue
         assert meta["consumerGroup"] == CONSUMER_GROUP
         # KEDA reads the lag (XINFO GROUPS) when lagCount is non-zero, XPENDING when only pendingEntriesCount is set.
         mode = "lag" if int(meta.get("lagCount", "0")) > 0 else "pending"
         assert mode == "lag" or int(meta["pendingEntriesCount"]) > 0
-        assert "streamLength" not in meta
         seen.add((meta["stream"], mode))
     expected = {(stream, mode) for stream in streams.values() for mode in ("lag", "pending")}
+    expected |= {(stream, "length") for stream in held.values()}
     assert seen == expected and len(triggers) == len(expected)
 
 
@@ -454,7 +465,7 @@ def test_cluster_and_sentinel_alternatives_read_the_default_counts_through_their
     for trigger, twin in pairs:
         assert trigger["type"] == trigger_type and trigger["name"] == twin["name"]
         assert trigger["authenticationRef"]["name"] == authentication["metadata"]["name"]
-        for field in ("stream", "consumerGroup", "lagCount", "pendingEntriesCount", "enableTLS"):
+        for field in ("stream", "consumerGroup", "lagCount", "pendingEntriesCount", "streamLength", "enableTLS"):
             assert trigger["metadata"].get(field) == twin["metadata"].get(field), field
     assert {ref["parameter"] for ref in authentication["spec"]["secretTargetRef"]} == parameters
 
@@ -513,8 +524,8 @@ def test_a_hook_that_returns_before_the_drain_ends_would_cut_it_short() -> None:
 
 
 def test_the_partitioned_alternative_counts_every_partition_as_the_cluster_one_counts_the_queue() -> None:
-    """LLMQ_QUEUE_PARTITIONS=3 on a Cluster: the six counts of the cluster alternative for each partition's
-    streams, one formula adding all 18, and otherwise the same ScaledObject and TriggerAuthentication."""
+    """LLMQ_QUEUE_PARTITIONS=3 on a Cluster: the nine counts of the cluster alternative for each partition's
+    streams, one formula adding all 27, and otherwise the same ScaledObject and TriggerAuthentication."""
     partitioned, authentication = load(PARTITIONED_ALTERNATIVE)
     single, single_authentication = load(CLUSTER_ALTERNATIVE)
     assert key(partitioned) == key(single) and authentication == single_authentication
@@ -525,11 +536,18 @@ def test_the_partitioned_alternative_counts_every_partition_as_the_cluster_one_c
     triggers = partitioned["spec"]["triggers"]
     names = [trigger["name"] for trigger in triggers]
     assert sorted(formula_terms(partitioned["spec"]["advanced"]["scalingModifiers"]["formula"])) == sorted(names)
-    assert len(set(names)) == len(names) == 18
+    assert len(set(names)) == len(names) == 27
+
+    def streams(keys: Keys) -> dict[str, str]:
+        """Each stream a trigger reads -> what it is, the same in every partition."""
+        return {**{s: f"lane {lane}" for lane, s in keys.lanes.items()}, **{keys.held(x): f"held {x}" for x in LANES}}
+
+    home = streams(Keys("default"))
     for keys in Keys("default").partitioned(3):
-        mine = [trigger for trigger in triggers if trigger["metadata"]["stream"] in keys.lanes.values()]
+        mine = [trigger for trigger in triggers if trigger["metadata"]["stream"] in streams(keys)]
         assert len(mine) == len(single["spec"]["triggers"])
         for trigger, twin in zip(mine, single["spec"]["triggers"], strict=True):
-            lane = next(lane for lane, stream in Keys("default").lanes.items() if stream == twin["metadata"]["stream"])
-            assert trigger["metadata"] == {**twin["metadata"], "stream": keys.lanes[lane]}
+            what = home[twin["metadata"]["stream"]]
+            own = next(stream for stream, same in streams(keys).items() if same == what)
+            assert trigger["metadata"] == {**twin["metadata"], "stream": own}
             assert trigger["type"] == twin["type"] and trigger["authenticationRef"] == twin["authenticationRef"]

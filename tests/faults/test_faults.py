@@ -42,6 +42,16 @@ def test_kill_9_workers_while_they_stream(cluster: Cluster) -> None:
     assert_nothing_lost(report)
 
 
+def test_kill_9_the_holders_of_shared_prompt_starts(cluster: Cluster) -> None:
+    """Cache affinity under faults: three prompt starts, one held by each worker, and holders killed mid-burst;
+    what waited for a dead holder is taken by another, nothing is lost or answered twice."""
+    faults = run_faults(cluster, requests=48, faults=["kill", "kill"], malformed=0, seed=6, shared_starts=3)
+    report = asyncio.run(faults)
+    assert report.kills == 2
+    assert 1 <= report.held_keys <= 3, report
+    assert_nothing_lost(report)
+
+
 def test_paused_worker_cannot_write_after_its_lease(cluster: Cluster) -> None:
     report = asyncio.run(run_faults(cluster, requests=30, faults=["stop"], malformed=0, seed=2))
     assert report.stops == 1

@@ -1,0 +1,45 @@
+"""`llmq tenants list | set | unset`: the queue's tenants and their weights in fair share, for an operator.
+Reading and writing them is `client.tenants`; this module only says what happened."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+from client.cli.context import Context
+from client.cli.exits import Exit
+from client.cli.output import note
+from client.protocol import LANES
+from client.tenants import Tenants
+
+
+def listing(context: Context) -> Exit:
+    tenants = Tenants(context.admin, context.queue).listing()
+    if context.args.json:
+        print(json.dumps({"queue": context.queue, "tenants": [asdict(tenant) for tenant in tenants]}))
+        return Exit.OK
+    if not tenants:
+        print(f"queue {context.queue}: no tenant has a weight set or requests held")
+        return Exit.OK
+    print(f"queue {context.queue}: {len(tenants)} tenant{'s' * (len(tenants) != 1)}")
+    width = max(len(tenant.tenant) for tenant in tenants)
+    print(f"  {'tenant':<{width}}  {'weight':>8}  " + "  ".join(f"{lane + ' held':>16}" for lane in LANES))
+    for tenant in tenants:
+        held = "  ".join(f"{tenant.held[lane]:>16}" for lane in LANES)
+        print(f"  {tenant.tenant:<{width}}  {tenant.weight:>8g}  {held}")
+    return Exit.OK
+
+
+def set_weight(context: Context) -> Exit:
+    args = context.args
+    Tenants(context.admin, context.queue).set_weight(args.tenant, args.weight)
+    print(f"tenant {args.tenant} of queue {context.queue}: weight {args.weight:g}")
+    return Exit.OK
+
+
+def unset_weight(context: Context) -> Exit:
+    args = context.args
+    if not Tenants(context.admin, context.queue).unset_weight(args.tenant):
+        note(f"tenant {args.tenant} had no weight set")
+    print(f"tenant {args.tenant} of queue {context.queue}: weight 1 (the default)")
+    return Exit.OK
