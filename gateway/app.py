@@ -8,7 +8,9 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
+from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -18,6 +20,7 @@ from starlette.routing import Route
 
 from client import AsyncClient
 from client.connection import open_async
+from client.store import Keys
 from client.tracing import configure_from_env
 from gateway.auth import APIKeyMiddleware
 from gateway.batch_driver import BatchDriver
@@ -151,6 +154,7 @@ def create_app(settings: GatewaySettings | None = None, *, client: AsyncClient |
             ssl_ca_certs=str(settings.redis_ca_file) if settings.redis_ca_file else None,
             max_connections=settings.redis_max_connections,
         )
+        await _write_weights(store_redis, settings, log)
         store = BatchStore(store_redis, settings.prefix, settings.batch_ttl_s)
         app.state.gateway = Gateway(settings, queue_client, models, gateway_metrics, log, store)
         driver = asyncio.create_task(BatchDriver(store, queue_client, models, settings, log).run_forever())
@@ -172,8 +176,24 @@ def create_app(settings: GatewaySettings | None = None, *, client: AsyncClient |
             Middleware(TracingMiddleware, routes=routes),  # outermost: the span covers the others too
             Middleware(RequestIdMiddleware),  # every answer gets an X-Request-Id, 401s included
             Middleware(MetricsMiddleware, metrics=gateway_metrics, routes=routes),
-            Middleware(APIKeyMiddleware, keys=settings.keys),
+            Middleware(APIKeyMiddleware, keys=settings.key_tenants),
         ],
         exception_handlers={HTTPException: _http_error},
         lifespan=lifespan,
     )
+
+
+async def _write_weights(redis: Any, settings: GatewaySettings, log: Any) -> None:
+    """The tenants file's weights into every served queue's partitions, where workers read them (`llmq tenants
+    set` writes the same keys). A Redis away at start-up costs the weights until the next start, not the start."""
+    weights = settings.tenants.weights
+    if not weights:
+        return
+    try:
+        for name in settings.queue_names:
+            for part in Keys(name, settings.prefix).partitioned(settings.queue_partitions):
+                await redis.hset(part.tenant_weights, mapping={tenant: repr(w) for tenant, w in weights.items()})
+    except RedisError as error:
+        log.warning("tenant_weights_not_written", error=str(error))
+        return
+    log.info("tenant_weights_written", tenants=len(weights), queues=settings.queue_names)

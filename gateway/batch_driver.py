@@ -206,7 +206,13 @@ class BatchRun:
         def requests() -> Iterator[dict[str, Any]]:
             for line in runnable(data, self.identity, answered):
                 self.in_flight[next(indexes)] = line  # submit_many numbers the requests in the order they are read
-                yield {"priority": "batch", **line.options, "queue": self.queue, "deadline": deadline}
+                yield {
+                    "priority": "batch",
+                    **line.options,
+                    "queue": self.queue,
+                    "deadline": deadline,
+                    "tenant": record.get("_tenant"),  # None (the default tenant) for a batch of the last release
+                }
 
         client = self.driver.client
         async for outcome in client.submit_many(requests(), window=self.driver.settings.batch_window):

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from client.openai_format import CHAT, COMPLETIONS
+from gateway.auth import tenant_of
 from gateway.batch_http import answered, listing, not_found, owned, owner
 from gateway.batch_store import ENDED, WINDOW_S, new_id
 from gateway.bodies import read_json
@@ -79,6 +80,7 @@ async def create_batch(request: Request) -> Response:
         "request_counts": {"total": 0, "completed": 0, "failed": 0},
         "metadata": metadata,
         "_owner": who,
+        "_tenant": tenant_of(request.scope),  # its requests are submitted as the key's tenant
         "_output_file": new_id("files"),  # reserved now, so a finalizing step redone writes the same files
         "_error_file": new_id("files"),
     }

@@ -33,7 +33,7 @@ from client.openai_format import (
     translate,
 )
 from client.protocol import Usage, choice_ids, total_usage
-from gateway.auth import bearer_token
+from gateway.auth import bearer_token, tenant_of
 from gateway.bodies import read_json
 from gateway.chunks import ChunkMaker
 from gateway.errors import APIError, from_exception, once_submitted, unknown_model
@@ -121,7 +121,12 @@ async def _complete(gateway: Gateway, request: Request, call: Call, started: flo
     )
     try:
         job = await gateway.client.submit(
-            **asked.options, n=asked.n, queue=queue, deadline=timeout, request_id=request_id
+            **asked.options,
+            n=asked.n,
+            queue=queue,
+            deadline=timeout,
+            request_id=request_id,
+            tenant=tenant_of(request.scope),
         )
     except BaseException:  # a full queue, Redis away: a retry with its Idempotency-Key submits the rest
         if asked.n > 1:  # choices before the one refused may run: errors name the call, and stop them unless kept

@@ -4,6 +4,7 @@ environment."""
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
@@ -12,6 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from client.connection import parse_url
 from client.protocol import DEFAULT_PREFIX, MAX_RESULT_TTL_S, LimitSettings
+from gateway.tenants import TenantKeys, load_tenants
 
 
 class GatewaySettings(BaseSettings, LimitSettings):
@@ -31,6 +33,10 @@ class GatewaySettings(BaseSettings, LimitSettings):
     port: int = Field(default=8000, ge=0, le=65535, description="port to listen on")
     api_keys: SecretStr | None = Field(
         default=None, description="comma-separated bearer keys; when set, every /v1 request needs one (401 otherwise)"
+    )
+    tenants_file: Path | None = Field(
+        default=None,
+        description="JSON file: tenant -> {keys, weight}; each key acts for its tenant only (docs/tenants.md)",
     )
     ssl_certfile: Path | None = Field(default=None, description="TLS certificate (PEM); with ssl_keyfile, serve https")
     ssl_keyfile: Path | None = Field(default=None, description="TLS private key (PEM)")
@@ -114,7 +120,7 @@ class GatewaySettings(BaseSettings, LimitSettings):
         parse_url(url.get_secret_value())  # its ValueError shows no password
         return url
 
-    @field_validator("ssl_certfile", "ssl_keyfile", "redis_ca_file")
+    @field_validator("ssl_certfile", "ssl_keyfile", "redis_ca_file", "tenants_file")
     @classmethod
     def _an_existing_file(cls, path: Path | None) -> Path | None:
         if path is not None and not path.is_file():
@@ -132,9 +138,28 @@ class GatewaySettings(BaseSettings, LimitSettings):
     def queue_names(self) -> list[str]:
         return [name.strip() for name in self.queues.split(",") if name.strip()]
 
+    @field_validator("tenants_file")
+    @classmethod
+    def _tenants(cls, path: Path | None) -> Path | None:
+        if path is not None:
+            load_tenants(path)  # checked whole at start: its ValueError names what is wrong, never a key
+        return path
+
+    @cached_property
+    def tenants(self) -> TenantKeys:
+        """The tenants file's keys and weights (none without one)."""
+        return TenantKeys([], {}) if self.tenants_file is None else load_tenants(self.tenants_file)
+
+    @property
+    def key_tenants(self) -> list[tuple[bytes, str | None]]:
+        """Every API key, as bytes for `hmac.compare_digest`, with the tenant it acts for (None: the default);
+        empty = no authentication."""
+        plain: list[tuple[bytes, str | None]] = []
+        if self.api_keys is not None:
+            plain = [(k.strip().encode(), None) for k in self.api_keys.get_secret_value().split(",") if k.strip()]
+        return [*plain, *self.tenants.keys]
+
     @property
     def keys(self) -> list[bytes]:
-        """The API keys, as bytes for `hmac.compare_digest`; empty = no authentication."""
-        if self.api_keys is None:
-            return []
-        return [key.strip().encode() for key in self.api_keys.get_secret_value().split(",") if key.strip()]
+        """The API keys alone; empty = no authentication."""
+        return [key for key, _ in self.key_tenants]

@@ -256,7 +256,7 @@ def tiny_app() -> Starlette:
     routes = [Route("/v1/own", own_id), Route("/open", plain), Route("/broken", broken)]
     return Starlette(
         routes=routes,
-        middleware=[Middleware(RequestIdMiddleware), Middleware(APIKeyMiddleware, keys=[b"k"])],
+        middleware=[Middleware(RequestIdMiddleware), Middleware(APIKeyMiddleware, keys=[(b"k", None)])],
     )
 
 

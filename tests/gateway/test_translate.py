@@ -425,10 +425,10 @@ def test_timeout_header() -> None:
 
 
 def test_bearer_keys() -> None:
-    keys = [b"k1", b"k2"]
-    assert authorized("Bearer k2", keys) and authorized("bearer k1", keys)
+    keys: list[tuple[bytes, str | None]] = [(b"k1", None), (b"k2", "billing")]
+    assert authorized("Bearer k2", keys) == (True, "billing") and authorized("bearer k1", keys) == (True, None)
     for header in (None, "", "Bearer", "Bearer k3", "Basic k1", "k1", "Bearer k1x"):
-        assert not authorized(header, keys), header
+        assert authorized(header, keys) == (False, None), header
     assert bearer_token("Bearer  k1 ") == "k1" and bearer_token("Basic k1") is None and bearer_token(None) is None
 
 
