@@ -189,6 +189,11 @@ class Keys:
         ]
         return [*per_lane, self.tenant_weights, self.fair_readers]
 
+    def usage(self, hour: int) -> str:
+        """Hash of the tenants' usage in one hour (hours since the epoch, UTC): "<tenant>|requests|<outcome>",
+        "<tenant>|prompt_tokens", "|generated_tokens", "|queue_wait_ms", "|generation_ms" -> counts, with a TTL."""
+        return f"{self.tag}:usage:{hour}"
+
     def result(self, request_id: str) -> str:
         """Stream of one request's events; every write refreshes its TTL."""
         return f"{self.tag}:result:{request_id}"

@@ -160,6 +160,9 @@ class Settings(BaseSettings, LimitSettings):
     )
     dead_letter_maxlen: int = Field(10000, ge=1, description="dead-letter stream is trimmed to about this")
     reply_maxlen: int = Field(100_000, ge=1, description="each reply_to stream is trimmed to about this")
+    usage_ttl_days: int = Field(
+        35, ge=1, le=3650, description="days each hour's usage counts per tenant are kept (`llmq usage`)"
+    )
     metrics_port: int = Field(9400, ge=0, le=65535, description="Prometheus /metrics port; 0 turns it off")
     metrics_address: str = Field("0.0.0.0", description="address the metrics endpoint listens on")
     log_format: Literal["console", "json"] = Field("console", description="console for people, json for machines")

@@ -25,6 +25,7 @@ from client.errors import InvalidRequest, MalformedEntry, UnsupportedVersion
 from client.protocol import (
     ENTRY_FIELD,
     NOTIFY_FIELD,
+    TENANT_FIELD,
     TRACE_FIELD,
     DeadLetterBody,
     DoneEvent,
@@ -59,6 +60,7 @@ class Accepted:
     lane: Lane = "default"  # whose stream the entry is in
     partition: int = 0  # the queue partition it was read from: its events and acknowledgement go there
     trace: tuple[tuple[str, str], ...] = ()  # the submitter's trace context (`TRACE_FIELD`), for `worker.tracing`
+    tenant: str | None = None  # who owns it (`TENANT_FIELD`): its usage is counted for that tenant
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +92,18 @@ class Answer:
         lane: Lane = "default",
         partition: int = 0,
         param: str | None = None,  # the request field refused, when one is
+        tenant: str | None = None,
     ) -> Answer:
         """An `error` event for a request that is not run, unfenced (no attempt of it started)."""
         target = Target(
-            request_id, result_ttl, entry_id=entry_id, reply_to=reply_to, notify=notify, lane=lane, partition=partition
+            request_id,
+            result_ttl,
+            entry_id=entry_id,
+            reply_to=reply_to,
+            notify=notify,
+            lane=lane,
+            partition=partition,
+            tenant=tenant,
         )
         return cls(target, ErrorEvent(code=code, message=message, param=param), rejected=message)
 
@@ -112,6 +122,7 @@ class Answer:
             accepted.lane,
             accepted.partition,
             param,
+            accepted.tenant,
         )
 
 
@@ -144,7 +155,7 @@ def decide(
     raw = fields.get(ENTRY_FIELD)
     if raw is None:
         return Letter(entry_id, b"", f"entry has no field {ENTRY_FIELD.decode()!r}", lane)
-    notify = _client_id(fields.get(NOTIFY_FIELD))
+    notify, tenant = _name_field(fields.get(NOTIFY_FIELD)), _name_field(fields.get(TENANT_FIELD))
     try:
         request = decode_request(raw)
     except (UnsupportedVersion, InvalidRequest) as error:
@@ -155,12 +166,20 @@ def decide(
         else:
             code, param = ErrorCode.INVALID_REQUEST, error.param
         return Answer.error(
-            entry_id, error.request_id, code, str(error), notify=notify, lane=lane, partition=partition, param=param
+            entry_id,
+            error.request_id,
+            code,
+            str(error),
+            notify=notify,
+            lane=lane,
+            partition=partition,
+            param=param,
+            tenant=tenant,
         )
     except MalformedEntry as error:
         return Letter(entry_id, raw, str(error), lane)
     trace = tuple(decode_trace(fields.get(TRACE_FIELD)).items())
-    accepted = Accepted(entry_id, request, notify, lane, partition, trace)
+    accepted = Accepted(entry_id, request, notify, lane, partition, trace, tenant)
     try:
         request.check_limits(limits)
     except InvalidRequest as error:
@@ -171,8 +190,9 @@ def decide(
     return accepted
 
 
-def _client_id(raw: bytes | None) -> str | None:
-    """The `NOTIFY_FIELD` of an entry when it is a usable name (it is only a hint: anything else is ignored)."""
+def _name_field(raw: bytes | None) -> str | None:
+    """An entry's `NOTIFY_FIELD` or `TENANT_FIELD` when it is a usable name (anything else is ignored: the notice
+    is only a hint, and usage is then counted for no tenant)."""
     name = raw.decode(errors="replace") if raw is not None else None
     return name if is_valid_name(name) else None
 
@@ -231,6 +251,7 @@ def target_of(ready: Ready) -> Target:
         accepted.notify,
         accepted.lane,
         accepted.partition,
+        accepted.tenant,
     )
 
 

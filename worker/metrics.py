@@ -123,6 +123,23 @@ class _PublisherCollector(Collector):
             family = CounterMetricFamily(name, doc, labels=names)
             family.add_metric(values, value)
             yield family
+        requests = CounterMetricFamily(
+            "llmq:tenant_requests",
+            "Requests this worker ended, by tenant and outcome (a finish reason, or error:<code>); `llmq usage` "
+            "counts the fleet's exactly, in Redis.",
+            labels=[*names, "tenant", "outcome"],
+        )
+        for (tenant, outcome), count in sorted(stats.tenant_requests.items()):
+            requests.add_metric([*values, tenant, outcome], count)
+        yield requests
+        tokens = CounterMetricFamily(
+            "llmq:tenant_tokens",
+            "Prompt and generated tokens of the requests this worker ended, by tenant and kind.",
+            labels=[*names, "tenant", "kind"],
+        )
+        for (tenant, kind), count in sorted(stats.tenant_tokens.items()):
+            tokens.add_metric([*values, tenant, kind], count)
+        yield tokens
 
 
 class _AffinityCollector(Collector):

@@ -21,15 +21,16 @@ backoff; the worker reads no new requests while `backlog` is over its bound.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
 from client.backoff import Backoff
 from client.failover import REDIS_FAILURES
 from client.protocol import Completion, DoneEvent, ErrorEvent, Lane, PromptEvent, TokensEvent, encode
-from client.scripts import PublishItem, PublishOutcome, Scripts
+from client.scripts import PublishItem, PublishOutcome, Scripts, pack_usage
 from client.store import Keys
 
 # Anything Redis says goes back in the queue: an outage, a restart still loading, and also an answer like
@@ -50,6 +51,7 @@ class Target:
     notify: str | None = None  # the client id whose wake stream is told of every write
     lane: Lane = "default"  # whose request stream `entry_id` is in
     partition: int = 0  # the queue partition it was read from, whose keys its events go to
+    tenant: str | None = None  # who owns it: its final event adds its usage to that tenant's counts
 
 
 @dataclass(slots=True)
@@ -61,6 +63,11 @@ class _Pending:
     final: bool = False  # acknowledges `target.entry_id` after the event
     completion: bytes = b""  # for `target.reply_to`, appended with the event
     on_written: Callable[[PublishOutcome | str], None] | None = None  # told the script's answer for this event
+    usage: bytes = b""  # a final event's usage for `target.tenant` (`pack_usage`)
+
+
+MAX_TENANT_LABELS = 100  # distinct `tenant` label values per worker: a bound on the metrics' series
+OTHER_TENANTS = "(other)"  # the label of every tenant past that bound: no tenant's name (no parentheses in names)
 
 
 @dataclass
@@ -72,6 +79,18 @@ class PublisherStats:
     behind: int = 0  # requests whose stream lost its last events (a failover): handed back to resume from it
     refused: int = 0  # requests whose events Redis refused (`on_failed`)
     tokens: int = 0  # token ids queued for publishing: what this worker generated
+    # Per tenant (at most `MAX_TENANT_LABELS`, the rest as `OTHER_TENANTS`): final events sent, by outcome, and
+    # their prompt and generated tokens, for the `tenant`-labelled metrics. `llmq usage` is the exact record.
+    tenant_requests: Counter[tuple[str, str]] = field(default_factory=Counter)
+    tenant_tokens: Counter[tuple[str, str]] = field(default_factory=Counter)  # (tenant, "prompt" or "generated")
+
+    def count_usage(self, tenant: str, outcome: str, prompt: int, generated: int) -> None:
+        known = {name for name, _ in self.tenant_requests}
+        if tenant not in known and len(known) >= MAX_TENANT_LABELS:
+            tenant = OTHER_TENANTS
+        self.tenant_requests[tenant, outcome] += 1
+        self.tenant_tokens[tenant, "prompt"] += prompt
+        self.tenant_tokens[tenant, "generated"] += generated
 
 
 class Publisher:
@@ -87,8 +106,10 @@ class Publisher:
         scripts: Scripts | None = None,
         reply_maxlen: int = 100_000,
         wait_replicas: int = 0,
+        usage_ttl_s: int = 35 * 86400,
     ) -> None:
         self._redis = redis
+        self._usage_ttl_s = usage_ttl_s
         self._wait_replicas = wait_replicas
         self._partitions = keys.partitioned(partitions)  # each request's events go to its partition's keys
         self._reply_maxlen = reply_maxlen
@@ -142,7 +163,12 @@ class Publisher:
             done, error = (event, None) if isinstance(event, DoneEvent) else (None, event)
             completion = encode(Completion(id=target.request_id, text=text, ids=ids, done=done, error=error))
         raw = b"" if event is None else encode(event)
-        self._put(_Pending(target, raw, seq, 1, final=True, completion=completion, on_written=on_written))
+        usage = b""
+        if target.tenant is not None and event is not None:
+            outcome, prompt, generated, waited, generating = usage_of(event, seq)
+            usage = pack_usage(self._usage_ttl_s, target.tenant, outcome, prompt, generated, waited, generating)
+            self.stats.count_usage(target.tenant, outcome, prompt, generated)
+        self._put(_Pending(target, raw, seq, 1, final=True, completion=completion, on_written=on_written, usage=usage))
 
     def _put(self, pending: _Pending) -> None:
         self._queue.append(pending)
@@ -270,4 +296,14 @@ def _outcomes(
 
 def _item(pending: _Pending) -> PublishItem:
     ack = pending.target.entry_id if pending.final else b""
-    return PublishItem(pending.target, pending.event, pending.seq, pending.size, ack, pending.completion)
+    return PublishItem(pending.target, pending.event, pending.seq, pending.size, ack, pending.completion, pending.usage)
+
+
+def usage_of(event: DoneEvent | ErrorEvent, seq: int) -> tuple[str, int, int, int, int]:
+    """A final event's outcome, prompt and generated tokens, queue wait and generation ms, for its tenant's usage:
+    a `done` event's own counts and timings; an `error` counts the `seq` tokens published before it."""
+    if isinstance(event, DoneEvent):
+        queued, total = event.timings.queue_ms or 0.0, event.timings.total_ms or 0.0
+        usage = event.usage
+        return event.finish_reason, usage.prompt_tokens, usage.completion_tokens, round(queued), round(total - queued)
+    return f"error:{event.code}", 0, seq, 0, 0

@@ -61,6 +61,7 @@ class Worker:
             scripts=scripts,
             reply_maxlen=settings.reply_maxlen,
             wait_replicas=settings.redis_wait_replicas,
+            usage_ttl_s=settings.usage_ttl_days * 86400,
         )
         self.log = get_logger(worker=settings.worker_id, queue=settings.queue)
         self.metrics = Metrics(engine, settings.queue, settings.model)

@@ -17,7 +17,7 @@ from client.cli.chat import chat
 from client.cli.context import Context
 from client.cli.exits import Exit, failure
 from client.cli.generate import attach, batch, cancel, submit
-from client.cli.parser import build
+from client.cli.parser import build, submitting_tenant
 from client.cli.status import queues, status
 from client.errors import LLMQError
 from client.sync import Client
@@ -37,6 +37,7 @@ HANDLERS: dict[str, Callable[[Context], Exit]] = {
     "tenants list": tenants.listing,
     "tenants set": tenants.set_weight,
     "tenants unset": tenants.unset_weight,
+    "usage": tenants.usage,
 }
 
 
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     options: dict[str, Any] = {"prefix": args.prefix, "partitions": args.partitions}
     try:
         with (
-            Client(args.url, queue=args.queue, tenant=args.tenant, **options) as client,
+            Client(args.url, queue=args.queue, tenant=submitting_tenant(args), **options) as client,
             closing(Admin(args.url, **options)) as admin,
         ):
             return int(args.run(Context(args, client, admin)))

@@ -34,6 +34,18 @@ def seconds(text: str) -> float:
     return value
 
 
+SPAN_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def span(text: str) -> float:
+    """A span of time: seconds, or a number with a unit, `90m`, `24h`, `7d` (argparse type)."""
+    number, unit = (text[:-1], text[-1]) if text[-1:] in SPAN_UNITS else (text, "s")
+    try:
+        return seconds(number) * SPAN_UNITS[unit]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be a span such as 3600, 90m, 24h or 7d, not {text!r}") from None
+
+
 def timeout(text: str) -> float | None:
     """Seconds to wait for a result; 0 waits as long as it takes (None)."""
     try:
@@ -58,6 +70,12 @@ def count(text: str) -> int:
     return value
 
 
+def submitting_tenant(args: argparse.Namespace) -> str:
+    """The tenant of the requests a command submits: `--tenant`, else $LLMQ_TENANT, else the default tenant."""
+    tenant: str = args.tenant if args.tenant is not None else os.environ.get("LLMQ_TENANT", DEFAULT_TENANT)
+    return tenant
+
+
 def _connection(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
     """The connection options, on the top parser (`defaults`) or on a subcommand (unset unless given)."""
 
@@ -80,8 +98,9 @@ def _connection(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
     )
     group.add_argument(
         "--tenant",
-        default=default(os.environ.get("LLMQ_TENANT", DEFAULT_TENANT)),
-        help=f"who the requests submitted belong to, for fair share (default: $LLMQ_TENANT, else {DEFAULT_TENANT})",
+        default=default(None),
+        help=f"who the requests submitted belong to, for fair share (default: $LLMQ_TENANT, else {DEFAULT_TENANT});"
+        " for `usage`, the tenant to show (default: all)",
     )
 
 
@@ -170,6 +189,10 @@ def build(handlers: dict[str, Callable[..., Any]]) -> argparse.ArgumentParser:
 
     _dead(commands.add("dead", None, "list, show, replay or drop the queue's dead letters"), handlers)
     _tenants(commands.add("tenants", None, "list the queue's tenants, or set or unset a tenant's weight"), handlers)
+
+    usage = commands.add("usage", handlers["usage"], "each tenant's requests, tokens and seconds, hour by hour summed")
+    usage.add_argument("--since", type=span, default=86400.0, help="how far back: 3600, 90m, 24h, 7d (default 24h)")
+    usage.add_argument("--json", action="store_true", help="one JSON object, for scripts")
 
     batch = commands.add(
         "batch",

@@ -23,6 +23,7 @@ its constants.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
@@ -93,9 +94,13 @@ class PublishOutcome(IntEnum):
 # failing the one event whose keys met them.
 SERVER_WIDE_ERRORS = ("OOM", "READONLY", "LOADING", "BUSY", "MASTERDOWN", "NOREPLICAS", "MISCONF", "CLUSTERDOWN")
 PUBLISH_HEADER_ARGS = 4  # group, reply MAXLEN, wake MAXLEN, wake TTL
-PUBLISH_KEYS_PER_EVENT = 5  # request stream, result stream, fence hash, reply stream, wake stream
-PUBLISH_ARGS_PER_EVENT = 7  # attempt, ttl, event, seq, size, entry id to acknowledge, completion
+PUBLISH_KEYS_PER_EVENT = 6  # request stream, result stream, fence hash, reply stream, wake stream, usage hash
+PUBLISH_ARGS_PER_EVENT = 8  # attempt, ttl, event, seq, size, entry id to acknowledge, completion, usage
 AFFINITY_MAX_KEYS = 10_000  # keys with a holder per queue partition; past it the least recently used is forgotten
+# A tenant's usage in an hour's hash (`Keys.usage`): "<tenant>|requests|<outcome>" and "<tenant>|<count>" for each
+# of the counts, in `pack_usage`'s order after the outcome.
+USAGE_REQUESTS = "requests"
+USAGE_COUNTS = ("prompt_tokens", "generated_tokens", "queue_wait_ms", "generation_ms")
 FAIR_IDLE_TTL_MS = 86_400_000  # a lane's fair-share clock and idle tenants' virtual times outlive a day of silence
 
 # Everything the Lua sources name with `${NAME}`: Python's values, written into the source at load time.
@@ -110,6 +115,8 @@ LUA_CONSTANTS: dict[str, str | bytes | int | tuple[str, ...]] = {
     "AFFINITY_NOTICE": AFFINITY_NOTICE,
     "AFFINITY_MAX_KEYS": AFFINITY_MAX_KEYS,
     "FAIR_IDLE_TTL_MS": FAIR_IDLE_TTL_MS,
+    "USAGE_REQUESTS": USAGE_REQUESTS,
+    "USAGE_COUNTS": USAGE_COUNTS,
     "FENCE_ATTEMPT": Fence.ATTEMPT,
     "FENCE_WRITTEN": Fence.WRITTEN,
     "FENCE_HANDED_BACK": Fence.HANDED_BACK,
@@ -362,6 +369,8 @@ class PublishTarget(Protocol):
     def reply_to(self) -> str | None: ...
     @property
     def notify(self) -> str | None: ...
+    @property
+    def tenant(self) -> str | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,6 +383,15 @@ class PublishItem:
     size: int
     ack: bytes = b""
     completion: bytes = b""  # for `target.reply_to`, appended with the event
+    usage: bytes = b""  # a final event's usage for `target.tenant` (`pack_usage`), counted with the event
+
+
+def pack_usage(
+    ttl_s: int, tenant: str, outcome: str, prompt: int, generated: int, queue_wait_ms: int, generation_ms: int
+) -> bytes:
+    """A final event's `PublishItem.usage`: what `publish.lua` adds to the tenant's counts of the hour."""
+    numbers = (max(0, int(value)) for value in (prompt, generated, queue_wait_ms, generation_ms))
+    return "|".join([str(ttl_s), tenant, outcome.replace("|", "/"), *map(str, numbers)]).encode()
 
 
 class Publish(LuaScript):
@@ -384,6 +402,7 @@ class Publish(LuaScript):
 
     @staticmethod
     def pack(where: Keys, items: Sequence[PublishItem], reply_maxlen: int) -> ScriptCall:
+        hour = int(time.time()) // 3600  # the usage bucket: this hour's
         keys: list[str] = []
         args: list[Any] = [CONSUMER_GROUP, reply_maxlen, WAKE_MAXLEN, WAKE_TTL_S]
         for item in items:
@@ -391,9 +410,10 @@ class Publish(LuaScript):
             result = where.result(target.request_id)
             reply = where.reply(target.reply_to) if target.reply_to is not None else result
             wake = where.wake(target.notify) if target.notify is not None else result
-            keys += [where.lane(target.lane), result, where.fence(target.request_id), reply, wake]
+            usage = where.usage(hour) if item.usage else result
+            keys += [where.lane(target.lane), result, where.fence(target.request_id), reply, wake, usage]
             attempt = "" if target.attempt is None else target.attempt
-            args += [attempt, target.ttl_s, item.event, item.seq, item.size, item.ack, item.completion]
+            args += [attempt, target.ttl_s, item.event, item.seq, item.size, item.ack, item.completion, item.usage]
         return ScriptCall(keys, args)
 
     @staticmethod

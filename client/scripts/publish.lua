@@ -1,16 +1,37 @@
 -- One call per flush, whatever it carries: packing and parsing a command per event was most of a busy worker's
 -- time. KEYS: per event (PUBLISH_KEYS_PER_EVENT) its request stream (its lane's), result stream, fence hash, reply
--- stream and its client's wake stream (the result stream again for none). ARGV: the group, the reply streams'
--- MAXLEN, the wake streams' MAXLEN and TTL (PUBLISH_HEADER_ARGS), then per event (PUBLISH_ARGS_PER_EVENT): attempt
--- ('' = unfenced), ttl, event ('' = none: acknowledge only), seq, size, entry id to acknowledge ('' = none),
--- completion for the reply stream ('' = none; appended with the event, so exactly when the event is).
+-- stream, its client's wake stream and the usage hash of the hour (the result stream again for none). ARGV: the
+-- group, the reply streams' MAXLEN, the wake streams' MAXLEN and TTL (PUBLISH_HEADER_ARGS), then per event
+-- (PUBLISH_ARGS_PER_EVENT): attempt ('' = unfenced), ttl, event ('' = none: acknowledge only), seq, size, entry id
+-- to acknowledge ('' = none), completion for the reply stream ('' = none; appended with the event, so exactly when
+-- the event is), usage ('' = none: "<ttl s>|<tenant>|<outcome>|<prompt tokens>|<generated tokens>|<queue wait
+-- ms>|<generation ms>", a final event's, added to the tenant's counts in the usage hash with the event, so a
+-- request counts once however often its final event is sent: `docs/tenants.md`).
 -- Returns per event WRITTEN (written or already there), FENCED, BEHIND (the stream holds fewer tokens than the
 -- event follows: a failover lost the last writes, so it is not written, which would leave a gap), or the error
 -- Redis gave for that event's keys alone (pcall): one request's broken key fails that request, never the batch.
 -- An error that concerns the whole server (out of memory, read-only replica, loading...) fails the call instead,
 -- so the batch stays queued. Each wake stream then gets one notice naming the result streams written for its
 -- client (`client._mux`).
-local function publish(stream, result, fence, reply, attempt, ttl, event, seq, size, entry, completion)
+local function count_usage(hash, usage)
+  local parts = {}
+  for part in string.gmatch(usage, '[^|]+') do
+    parts[#parts + 1] = part
+  end
+  local names = ${USAGE_COUNTS}
+  if #parts ~= 3 + #names then
+    return
+  end
+  local tenant = parts[2]
+  redis.call('HINCRBY', hash, table.concat({tenant, ${USAGE_REQUESTS}, parts[3]}, '|'), 1)
+  for i, name in ipairs(names) do
+    redis.call('HINCRBY', hash, tenant .. '|' .. name, parts[3 + i])
+  end
+  redis.call('EXPIRE', hash, parts[1])
+end
+
+local function publish(stream, result, fence, reply, usage_hash, attempt, ttl, event, seq, size, entry, completion,
+                       usage)
   local ok, write = ${PUBLISH_WRITTEN}, event ~= ''
   if attempt ~= '' then
     local current = redis.call('HMGET', fence, ${FENCE_ATTEMPT}, ${FENCE_WRITTEN})
@@ -33,6 +54,9 @@ local function publish(stream, result, fence, reply, attempt, ttl, event, seq, s
     if completion ~= '' then
       redis.call('XADD', reply, 'MAXLEN', '~', ARGV[2], '*', ${ENTRY_FIELD}, completion)
     end
+    if usage ~= '' then
+      count_usage(usage_hash, usage)
+    end
   end
   if entry ~= '' then
     redis.call('XACK', stream, ARGV[1], entry)
@@ -49,8 +73,8 @@ for i = 0, #KEYS / per_keys - 1 do
   local outcome = refused[result]  -- a request refused once: its later events (and its ack) are not tried
   if not outcome then
     local done
-    done, outcome = pcall(publish, KEYS[k + 1], result, KEYS[k + 3], KEYS[k + 4],
-      ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6])
+    done, outcome = pcall(publish, KEYS[k + 1], result, KEYS[k + 3], KEYS[k + 4], KEYS[k + 6],
+      ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6], ARGV[a + 7])
     if not done then
       local message = type(outcome) == 'table' and outcome.err or tostring(outcome)
       for _, prefix in ipairs(server_wide) do

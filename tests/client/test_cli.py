@@ -98,7 +98,7 @@ async def test_status_json(redis_url: str, server: aioredis.Redis, capsys: pytes
     assert await asyncio.to_thread(main, ["status", "--json", "--url", redis_url]) == 0
     status = json.loads(capsys.readouterr().out)
     tokens = 3 * (10 + protocol.DEFAULT_MAX_NEW_TOKENS)  # 40 bytes of prompt count 10 tokens
-    lane = {"pending": None, "lag": None, "oldest_pending_age_s": None}
+    lane = {"pending": None, "lag": None, "oldest_pending_age_s": None, "held": 0}  # nothing held: no worker read
     assert status == {
         "queue": "default",
         "depth": 4,
