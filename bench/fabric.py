@@ -32,7 +32,7 @@ from worker.embedded_redis import RedisServer
 KEYS = Keys("default")
 
 
-async def run_worker(url: str, step_s: float, max_running: int, name: str) -> None:
+async def run_worker(url: str, step_s: float, max_running: int, name: str, affinity_wait_ms: int = 50) -> None:
     import signal
 
     # Here, in the worker's process only: the client side of a benchmark must not carry torch's heap (its
@@ -52,6 +52,7 @@ async def run_worker(url: str, step_s: float, max_running: int, name: str) -> No
         read_block_ms=20,
         heartbeat_s=0.5,
         model="scripted",
+        affinity_wait_ms=affinity_wait_ms,
     )
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -80,7 +81,9 @@ async def measure(url: str, requests: int, tokens: int, label: str) -> tuple[flo
     return elapsed, events
 
 
-def start_workers(url: str, count: int, step_s: float, max_running: int, logs: Path) -> list[subprocess.Popen[bytes]]:
+def start_workers(
+    url: str, count: int, step_s: float, max_running: int, logs: Path, affinity_wait_ms: int = 50
+) -> list[subprocess.Popen[bytes]]:
     return [
         subprocess.Popen(
             [
@@ -95,6 +98,8 @@ def start_workers(url: str, count: int, step_s: float, max_running: int, logs: P
                 str(max_running),
                 "--name",
                 f"q{i}",
+                "--affinity-wait-ms",
+                str(affinity_wait_ms),
             ],
             stdout=(logs / f"q{i}.log").open("wb"),
             stderr=subprocess.STDOUT,
@@ -103,8 +108,10 @@ def start_workers(url: str, count: int, step_s: float, max_running: int, logs: P
     ]
 
 
-async def with_workers(url: str, count: int, step_s: float, max_running: int, logs: Path, work: Any) -> Any:
-    workers = start_workers(url, count, step_s, max_running, logs)
+async def with_workers(
+    url: str, count: int, step_s: float, max_running: int, logs: Path, work: Any, affinity_wait_ms: int = 50
+) -> Any:
+    workers = start_workers(url, count, step_s, max_running, logs, affinity_wait_ms)
     try:
         async with AsyncClient(url) as client:
             while len((await client.status()).workers) < count:
@@ -170,9 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker", metavar="URL", help=argparse.SUPPRESS)
     parser.add_argument("--max-running", type=int, default=32, help=argparse.SUPPRESS)
     parser.add_argument("--name", default="q", help=argparse.SUPPRESS)
+    parser.add_argument("--affinity-wait-ms", type=int, default=50, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        asyncio.run(run_worker(args.worker, args.step_ms / 1000, args.max_running, args.name))
+        asyncio.run(run_worker(args.worker, args.step_ms / 1000, args.max_running, args.name, args.affinity_wait_ms))
         return
     print_json(asyncio.run(main_async(args)))
 
