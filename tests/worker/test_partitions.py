@@ -118,7 +118,7 @@ async def test_an_interactive_request_in_one_partition_preempts_batch_work_of_an
 
 
 def test_merging_one_partition_is_that_partition() -> None:
-    replies: list[Any] = [0, {}, None, {}] + [0, [], {"pending": 0, "min": None}, []] * 3
+    replies: list[Any] = [0, {}, None, {}] + [0, 0, [], {"pending": 0, "min": None}, [], []] * 3  # per lane: held too
     one = status_from_replies("q", replies, 15.0)
     assert merge_partitions([one]) is one and one.partitions == []
     three = status_from_replies("q", replies * 3, 15.0)
