@@ -183,7 +183,8 @@ async def check_stream(redis: Redis, request_id: str) -> StreamCheck:
 
 async def unbounded_keys(redis: Redis) -> list[str]:
     """Keys of ours that can grow without limit: every per-request key must carry a TTL."""
-    bounded_by_design = {*KEYS.lanes.values(), KEYS.dead, KEYS.workers, KEYS.prefix_caches}  # emptied, trimmed, pruned
+    held = {KEYS.held(lane) for lane in KEYS.lanes}  # emptied as workers move them, as the lanes' streams are
+    bounded_by_design = {*KEYS.lanes.values(), *held, KEYS.dead, KEYS.workers, KEYS.prefix_caches}  # or trimmed, pruned
     found = []
     async for key in redis.scan_iter(match=f"{KEYS.tag}*", count=1000):
         name = key.decode()
