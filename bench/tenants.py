@@ -47,14 +47,16 @@ class Run:
         self.seconds = 0.0
         self.sent = 0
         self.tenants: dict[str, str] = {}  # caller -> the tenant it submitted as
+        self.submitting = asyncio.Semaphore(32)
 
     async def one(self, client: AsyncClient, caller: str, tenant: str | None = None) -> None:
         """One batch request of `caller`, submitted as `tenant` (the caller's own by default), its prompt its own
         (cache affinity has no shared start to route by)."""
         sent, self.sent = time.perf_counter(), self.sent + 1
-        prompt = [3 + self.sent % 40_000, *[7] * 7]
+        prompt = [3 + self.sent % 397, 3 + self.sent // 397 % 397, *[7] * 6]  # the scripted vocabulary: 400 ids
         tenant = tenant or caller
-        job = await client.submit(input_ids=prompt, max_new_tokens=TOKENS, tenant=tenant, priority="batch")
+        async with self.submitting:  # a flood's submits share a few connections, as a real producer's would
+            job = await client.submit(input_ids=prompt, max_new_tokens=TOKENS, tenant=tenant, priority="batch")
         try:
             result = await job.result(timeout=900)
         except Exception:  # counted as lost, which the JSON line reports
@@ -109,7 +111,7 @@ async def scenario(
                 Tenants(admin, "default").set_weight(tenant, weight)
 
         async def go() -> None:
-            async with AsyncClient(server.url, max_queue_len=0, max_connections=4096) as client:
+            async with AsyncClient(server.url, max_queue_len=0, max_connections=64) as client:
                 await asyncio.sleep(1.0)  # the workers' first reads mark the queue: clients hold from then on
                 start = time.perf_counter()
                 await work(run, client)
