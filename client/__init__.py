@@ -29,6 +29,7 @@ from client.errors import (
     RequestExpired,
     RequestFailed,
     ResultTimeout,
+    TenantQuotaExceeded,
     UnsupportedVersion,
 )
 from client.protocol import ErrorCode, error_from_event
@@ -59,6 +60,7 @@ __all__ = [
     "RequestFailed",
     "Result",
     "ResultTimeout",
+    "TenantQuotaExceeded",
     "TokenLogprob",
     "UnsupportedVersion",
     "__version__",

@@ -25,7 +25,16 @@ from client import tracing
 from client.affinity import affinity_key
 from client.backoff import Backoff
 from client.connection import connection_options, redact_url
-from client.errors import Cancelled, ClientClosed, InvalidRequest, LLMQError, MalformedEntry, QueueFull, ResultTimeout
+from client.errors import (
+    Cancelled,
+    ClientClosed,
+    InvalidRequest,
+    LLMQError,
+    MalformedEntry,
+    QueueFull,
+    ResultTimeout,
+    TenantQuotaExceeded,
+)
 from client.protocol import (
     DEFAULT_TENANT,
     ENTRY_FIELD,
@@ -569,15 +578,23 @@ class BaseClient:
             tracing.end_submit("failed", error=f"{type(error).__name__}: {error}")
             raise
 
-    def check_submitted(self, outcomes: list[SubmitOutcome], keys: Keys, lane: str) -> None:
-        full = SubmitOutcome.FULL in outcomes
-        outcome = SubmitOutcome.FULL if full else max(outcomes)  # ADDED when any was
-        tracing.end_submit(outcome.name.lower(), error="the lane is full (QueueFull)" if full else None)
-        if not full:
-            return
+    def check_submitted(self, outcomes: list[SubmitOutcome], keys: Keys, lane: str, tenant: str | None) -> None:
+        refused = next((o for o in (SubmitOutcome.FULL, SubmitOutcome.TENANT_FULL) if o in outcomes), None)
+        outcome = refused if refused is not None else max(outcomes)  # ADDED when any was
+        reason = {SubmitOutcome.FULL: "the lane is full (QueueFull)", SubmitOutcome.TENANT_FULL: "TenantQuotaExceeded"}
+        tracing.end_submit(outcome.name.lower(), error=reason.get(outcome))
         where = f"lane {lane!r} of queue {keys.queue!r}"
         if self.partitions > 1:
             where += f", partition {keys.partition} of {self.partitions},"
+        if refused is SubmitOutcome.TENANT_FULL:
+            owner = self.tenant if tenant is None else tenant
+            more = f"{len(outcomes)} more requests" if len(outcomes) > 1 else "another request"
+            raise TenantQuotaExceeded(
+                f"tenant {owner!r} has no room for {more} in {where}: its queued requests or tokens are at its quota",
+                owner,
+            )
+        if refused is None:
+            return
         limit = f"{self.partition_limit} unfinished requests"
         if self.partitions > 1:
             limit += f" (its share of max_queue_len {self.max_queue_len})"

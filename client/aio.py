@@ -273,7 +273,7 @@ class AsyncClient(BaseClient):
             outcomes = await self._retry(
                 "a submit", lambda: self._scripts.submit.run_async(self._redis, call, self.wait_replicas)
             )
-            self.check_submitted(outcomes, keys, priority)
+            self.check_submitted(outcomes, keys, priority, tenant)
         return [AsyncJob(self, request.id, keys) for request in requests]
 
     async def submit_many(

@@ -11,6 +11,7 @@ Our exception hierarchy:
 
 * LLMQError
   + QueueFull                  - the queue's backlog is at `max_queue_len`; retry later.
+  | + TenantQuotaExceeded      - the tenant's queued requests or tokens are at its quota (`.tenant`).
   + RequestFailed              - the request ended with an `error` event (`.code`, `.retryable`, `.param`).
   | + RequestExpired           - its deadline passed before a worker got to it.
   + Cancelled                  - it was cancelled; `.result` holds the partial output.
@@ -37,6 +38,15 @@ class LLMQError(Exception):
 
 class QueueFull(LLMQError):
     """The queue already holds `max_queue_len` unfinished requests: back off and retry."""
+
+
+class TenantQuotaExceeded(QueueFull):
+    """The tenant's requests waiting for fair share are at its `max_queued` or `max_queued_tokens` quota
+    (`client.tenants.TenantLimits`): nothing was queued. Other tenants still submit; back off and retry."""
+
+    def __init__(self, message: str, tenant: str) -> None:
+        super().__init__(message)
+        self.tenant = tenant
 
 
 class RequestFailed(LLMQError):

@@ -84,7 +84,6 @@ class Translated:
     n: int = 1  # how many choices: `submit(n=...)`, one request each
 
 
-
 def lane_for(service_tier: object) -> Lane:
     """The lane an OpenAI `service_tier` maps to (absent = `auto`): `priority` -> interactive, `auto` and
     `default` -> default, `flex` -> batch. The one place the mapping lives."""

@@ -179,15 +179,36 @@ class Keys:
         for fair share only then, so a fleet of workers that predate it still gets every request."""
         return f"{self.tag}:held:readers"
 
+    @property
+    def tenant_limits(self) -> str:
+        """Hash: tenant -> its quotas (`client.tenants.TenantLimits.pack`); `llmq tenants` writes every
+        partition's."""
+        return f"{self.tag}:tenants:limits"
+
+    @property
+    def tenant_counts(self) -> str:
+        """Hash of the tenants' quota state, kept by the scripts that admit and finish work: "<tenant>|queued",
+        "|queued_tokens" (held now), "|running" (moved to run and not finished), "|bucket" and "|bucket_ms" (tokens
+        left of its rate, and when), "|refund" (tokens estimated above what finished requests used)."""
+        return f"{self.tag}:tenants:counts"
+
+    @property
+    def tenant_running(self) -> str:
+        """Sorted set: "<tenant>\0<entry id>" of every request moved to run -> when its count lapses (a request
+        lost without its final event frees its tenant's running count then)."""
+        return f"{self.tag}:tenants:running"
+
     def fairness(self, lanes: Sequence[str]) -> list[str]:
         """Every key of fair share for `lanes`, in the order `read.lua` takes them: per lane its held stream,
-        order, virtual times and idle hash; then the weights and the readers' mark."""
+        order, virtual times and idle hash; then the weights, the readers' mark and the quotas: limits, counts and
+        running requests."""
         per_lane = [
             key
             for lane in lanes
             for key in (self.held(lane), self.held_order(lane), self.fair(lane), self.fair_idle(lane))
         ]
-        return [*per_lane, self.tenant_weights, self.fair_readers]
+        quotas = [self.tenant_limits, self.tenant_counts, self.tenant_running]
+        return [*per_lane, self.tenant_weights, self.fair_readers, *quotas]
 
     def usage(self, hour: int) -> str:
         """Hash of the tenants' usage in one hour (hours since the epoch, UTC): "<tenant>|requests|<outcome>",

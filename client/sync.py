@@ -249,7 +249,7 @@ class Client(BaseClient):
             outcomes = self._retry(
                 "a submit", lambda: self._scripts.submit.run_sync(self._redis, call, self.wait_replicas)
             )
-            self.check_submitted(outcomes, keys, priority)
+            self.check_submitted(outcomes, keys, priority, tenant)
         return [Job(self, request.id, keys) for request in requests]
 
     def submit_many(

@@ -73,7 +73,7 @@ async def get_model(request: Request) -> Response:
 
 def _directory_failed(gateway: Gateway, request: Request, error: Exception) -> Response:
     """The answer when the model directory cannot be read: an outage is a 503; anything else, a 500, is logged."""
-    answer = from_exception(error, retry_after_s=gateway.settings.retry_after_s)
+    answer = from_exception(error, retry_after_s=gateway.settings.retry_after_for(error))
     if answer.code == "internal":
         gateway.log.error("models_failed", route=request.url.path, error=repr(error))
     return answer.response()
@@ -154,7 +154,7 @@ def create_app(settings: GatewaySettings | None = None, *, client: AsyncClient |
             ssl_ca_certs=str(settings.redis_ca_file) if settings.redis_ca_file else None,
             max_connections=settings.redis_max_connections,
         )
-        await _write_weights(store_redis, settings, log)
+        await _write_tenants(store_redis, settings, log)
         store = BatchStore(store_redis, settings.prefix, settings.batch_ttl_s)
         app.state.gateway = Gateway(settings, queue_client, models, gateway_metrics, log, store)
         driver = asyncio.create_task(BatchDriver(store, queue_client, models, settings, log).run_forever())
@@ -183,17 +183,27 @@ def create_app(settings: GatewaySettings | None = None, *, client: AsyncClient |
     )
 
 
-async def _write_weights(redis: Any, settings: GatewaySettings, log: Any) -> None:
-    """The tenants file's weights into every served queue's partitions, where workers read them (`llmq tenants
-    set` writes the same keys). A Redis away at start-up costs the weights until the next start, not the start."""
-    weights = settings.tenants.weights
-    if not weights:
+async def _write_tenants(redis: Any, settings: GatewaySettings, log: Any) -> None:
+    """The tenants file's weights and quotas into every served queue's partitions, where the scripts read them
+    (`llmq tenants set` writes the same keys). A Redis away at start-up costs them until the next start, not the
+    start."""
+    tenants = settings.tenants
+    weights = {tenant: repr(weight) for tenant, weight in tenants.weights.items()}
+    limits = {tenant: quotas.pack() for tenant, quotas in tenants.limits.items() if not quotas.unlimited}
+    if not weights and not limits:
         return
     try:
         for name in settings.queue_names:
             for part in Keys(name, settings.prefix).partitioned(settings.queue_partitions):
-                await redis.hset(part.tenant_weights, mapping={tenant: repr(w) for tenant, w in weights.items()})
+                if tenants.weights:
+                    weights = {tenant: repr(weight) for tenant, weight in tenants.weights.items()}
+                    await redis.hset(part.tenant_weights, mapping=weights)
+                if tenants.limits:
+                    limits = {
+                        tenant: limits.pack() for tenant, limits in tenants.limits.items() if not limits.unlimited
+                    }
+                    await redis.hset(part.tenant_limits, mapping=limits) if limits else None
     except RedisError as error:
-        log.warning("tenant_weights_not_written", error=str(error))
+        log.warning("tenant_settings_not_written", error=str(error))
         return
-    log.info("tenant_weights_written", tenants=len(weights), queues=settings.queue_names)
+    log.info("tenant_settings_written", tenants=len(tenants.weights | tenants.limits), queues=settings.queue_names)

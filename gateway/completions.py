@@ -78,7 +78,10 @@ async def _answer(request: Request, url: str) -> Response:
         return await _complete(gateway, request, call, started)
     except Exception as error:
         answer = from_exception(
-            error, retry_after_s=gateway.settings.retry_after_s, url=url, max_tokens_field=call.max_tokens_field
+            error,
+            retry_after_s=gateway.settings.retry_after_for(error),
+            url=url,
+            max_tokens_field=call.max_tokens_field,
         )
         if call.submitting:
             answer = once_submitted(answer, idempotent=call.idempotent)

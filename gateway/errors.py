@@ -22,6 +22,7 @@ from client.errors import (
     RedisUnavailable,
     RequestFailed,
     ResultTimeout,
+    TenantQuotaExceeded,
 )
 from client.openai_format import FieldError, openai_param
 from client.protocol import ErrorCode
@@ -96,15 +97,14 @@ def from_exception(
     if isinstance(error, InvalidRequest):  # the client library's own checks, `LimitExceeded` among them
         param = _openai_param(error, url, max_tokens_field)
         return APIError(400, str(error), code="invalid_request", param=param)
-    if isinstance(error, QueueFull):  # nothing was queued
-        return APIError(
-            429,
-            "The queue is full; retry later.",
-            kind="rate_limit_error",
-            code="queue_full",
-            headers={"Retry-After": str(retry_after_s)},
-            retry=True,
+    if isinstance(error, QueueFull):  # nothing was queued; at a tenant's quota, other tenants' requests still are
+        message, code = (
+            ("Your tenant's queued requests are at its quota; retry later.", "tenant_quota_exceeded")
+            if isinstance(error, TenantQuotaExceeded)
+            else ("The queue is full; retry later.", "queue_full")
         )
+        headers = {"Retry-After": str(retry_after_s)}
+        return APIError(429, message, kind="rate_limit_error", code=code, headers=headers, retry=True)
     if isinstance(error, RequestFailed):
         status, kind = _FAILURES.get(error.code, (503, "server_error") if error.retryable else (500, "server_error"))
         param = _openai_param(error, url, max_tokens_field)

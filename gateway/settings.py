@@ -12,6 +12,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from client.connection import parse_url
+from client.errors import TenantQuotaExceeded
 from client.protocol import DEFAULT_PREFIX, MAX_RESULT_TTL_S, LimitSettings
 from gateway.tenants import TenantKeys, load_tenants
 
@@ -36,7 +37,8 @@ class GatewaySettings(BaseSettings, LimitSettings):
     )
     tenants_file: Path | None = Field(
         default=None,
-        description="JSON file: tenant -> {keys, weight}; each key acts for its tenant only (docs/tenants.md)",
+        description="JSON file: tenant -> {keys, weight, limits, retry_after_s}; each key acts for its tenant only "
+        "(docs/tenants.md)",
     )
     ssl_certfile: Path | None = Field(default=None, description="TLS certificate (PEM); with ssl_keyfile, serve https")
     ssl_keyfile: Path | None = Field(default=None, description="TLS private key (PEM)")
@@ -147,8 +149,15 @@ class GatewaySettings(BaseSettings, LimitSettings):
 
     @cached_property
     def tenants(self) -> TenantKeys:
-        """The tenants file's keys and weights (none without one)."""
-        return TenantKeys([], {}) if self.tenants_file is None else load_tenants(self.tenants_file)
+        """The tenants file's keys, weights and quotas (none without one)."""
+        return TenantKeys([]) if self.tenants_file is None else load_tenants(self.tenants_file)
+
+    def retry_after_for(self, error: BaseException) -> int:
+        """Retry-After of a 429 for `error`: the tenant's own when its quota refused it and the tenants file sets
+        one, else `retry_after_s`."""
+        if isinstance(error, TenantQuotaExceeded):
+            return self.tenants.retry_after_s.get(error.tenant, self.retry_after_s)
+        return self.retry_after_s
 
     @property
     def key_tenants(self) -> list[tuple[bytes, str | None]]:

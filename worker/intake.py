@@ -23,6 +23,7 @@ from redis.typing import KeyT, StreamIdT
 
 from client.errors import InvalidRequest, MalformedEntry, UnsupportedVersion
 from client.protocol import (
+    COST_FIELD,
     ENTRY_FIELD,
     NOTIFY_FIELD,
     TENANT_FIELD,
@@ -61,6 +62,7 @@ class Accepted:
     partition: int = 0  # the queue partition it was read from: its events and acknowledgement go there
     trace: tuple[tuple[str, str], ...] = ()  # the submitter's trace context (`TRACE_FIELD`), for `worker.tracing`
     tenant: str | None = None  # who owns it (`TENANT_FIELD`): its usage is counted for that tenant
+    cost: int = 0  # its estimated tokens (`COST_FIELD`; 0: none): its final event refunds what it did not use
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +95,7 @@ class Answer:
         partition: int = 0,
         param: str | None = None,  # the request field refused, when one is
         tenant: str | None = None,
+        cost: int = 0,
     ) -> Answer:
         """An `error` event for a request that is not run, unfenced (no attempt of it started)."""
         target = Target(
@@ -104,6 +107,7 @@ class Answer:
             lane=lane,
             partition=partition,
             tenant=tenant,
+            cost=cost,
         )
         return cls(target, ErrorEvent(code=code, message=message, param=param), rejected=message)
 
@@ -123,6 +127,7 @@ class Answer:
             accepted.partition,
             param,
             accepted.tenant,
+            accepted.cost,
         )
 
 
@@ -156,6 +161,7 @@ def decide(
     if raw is None:
         return Letter(entry_id, b"", f"entry has no field {ENTRY_FIELD.decode()!r}", lane)
     notify, tenant = _name_field(fields.get(NOTIFY_FIELD)), _name_field(fields.get(TENANT_FIELD))
+    cost = _cost_field(fields.get(COST_FIELD))
     try:
         request = decode_request(raw)
     except (UnsupportedVersion, InvalidRequest) as error:
@@ -175,11 +181,12 @@ def decide(
             partition=partition,
             param=param,
             tenant=tenant,
+            cost=cost,
         )
     except MalformedEntry as error:
         return Letter(entry_id, raw, str(error), lane)
     trace = tuple(decode_trace(fields.get(TRACE_FIELD)).items())
-    accepted = Accepted(entry_id, request, notify, lane, partition, trace, tenant)
+    accepted = Accepted(entry_id, request, notify, lane, partition, trace, tenant, cost)
     try:
         request.check_limits(limits)
     except InvalidRequest as error:
@@ -188,6 +195,14 @@ def decide(
     if check_deadline and expired:
         return Answer.rejecting(accepted, ErrorCode.EXPIRED, "the deadline passed before generation started")
     return accepted
+
+
+def _cost_field(raw: bytes | None) -> int:
+    """An entry's `COST_FIELD` (0 when absent or not a count: nothing is then refunded)."""
+    try:
+        return max(0, int(raw)) if raw is not None else 0
+    except ValueError:
+        return 0
 
 
 def _name_field(raw: bytes | None) -> str | None:
@@ -252,6 +267,7 @@ def target_of(ready: Ready) -> Target:
         accepted.lane,
         accepted.partition,
         accepted.tenant,
+        accepted.cost,
     )
 
 

@@ -52,6 +52,7 @@ class Target:
     lane: Lane = "default"  # whose request stream `entry_id` is in
     partition: int = 0  # the queue partition it was read from, whose keys its events go to
     tenant: str | None = None  # who owns it: its final event adds its usage to that tenant's counts
+    cost: int = 0  # its estimated tokens (`COST_FIELD`; 0: none), of which its final event refunds what it did not use
 
 
 @dataclass(slots=True)
@@ -166,7 +167,9 @@ class Publisher:
         usage = b""
         if target.tenant is not None and event is not None:
             outcome, prompt, generated, waited, generating = usage_of(event, seq)
-            usage = pack_usage(self._usage_ttl_s, target.tenant, outcome, prompt, generated, waited, generating)
+            usage = pack_usage(
+                self._usage_ttl_s, target.tenant, outcome, target.cost, prompt, generated, waited, generating
+            )
             self.stats.count_usage(target.tenant, outcome, prompt, generated)
         self._put(_Pending(target, raw, seq, 1, final=True, completion=completion, on_written=on_written, usage=usage))
 

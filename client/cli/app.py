@@ -35,8 +35,8 @@ HANDLERS: dict[str, Callable[[Context], Exit]] = {
     "dead drop": dead.drop,
     "batch": batch,
     "tenants list": tenants.listing,
-    "tenants set": tenants.set_weight,
-    "tenants unset": tenants.unset_weight,
+    "tenants set": tenants.set_tenant,
+    "tenants unset": tenants.unset_tenant,
     "usage": tenants.usage,
 }
 

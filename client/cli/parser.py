@@ -59,6 +59,17 @@ def timeout(text: str) -> float | None:
 MAX_COUNT = 2**63 - 1  # Redis's largest COUNT: anything beyond is no count it could serve
 
 
+def quota(text: str) -> int:
+    """A tenant's quota: a whole number in [0, 2**53], 0 for none (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 2**53:
+        raise argparse.ArgumentTypeError(f"must be a whole number in [0, 2**53] (0: none), not {text!r}")
+    return value
+
+
 def count(text: str) -> int:
     """A whole number in [1, 2**63 - 1] (argparse type)."""
     try:
@@ -188,7 +199,9 @@ def build(handlers: dict[str, Callable[..., Any]]) -> argparse.ArgumentParser:
     cancel.add_argument("request_id")
 
     _dead(commands.add("dead", None, "list, show, replay or drop the queue's dead letters"), handlers)
-    _tenants(commands.add("tenants", None, "list the queue's tenants, or set or unset a tenant's weight"), handlers)
+    _tenants(
+        commands.add("tenants", None, "list the queue's tenants, or set or unset their weights and quotas"), handlers
+    )
 
     usage = commands.add("usage", handlers["usage"], "each tenant's requests, tokens and seconds, hour by hour summed")
     usage.add_argument("--since", type=span, default=86400.0, help="how far back: 3600, 90m, 24h, 7d (default 24h)")
@@ -213,13 +226,29 @@ def build(handlers: dict[str, Callable[..., Any]]) -> argparse.ArgumentParser:
 
 def _tenants(tenants: argparse.ArgumentParser, handlers: dict[str, Callable[..., Any]]) -> None:
     commands = _Commands(tenants, "action")
-    listing = commands.add("list", handlers["tenants list"], "each tenant's weight and requests held, lane by lane")
+    listing = commands.add("list", handlers["tenants list"], "each tenant's weight, quotas, requests held and running")
     listing.add_argument("--json", action="store_true", help="one JSON object, for scripts")
-    weight = commands.add("set", handlers["tenants set"], "set a tenant's weight in fair share (default weight: 1)")
-    weight.add_argument("tenant", metavar="TENANT")
-    weight.add_argument("--weight", type=float, required=True, help="its share against others' (> 0)")
-    unset = commands.add("unset", handlers["tenants unset"], "give a tenant the default weight again")
+    given = commands.add(
+        "set",
+        handlers["tenants set"],
+        "set a tenant's weight in fair share (default 1) or quotas (default none); what is not given is kept",
+    )
+    given.add_argument("tenant", metavar="TENANT")
+    given.add_argument("--weight", type=float, help="its share against others' while both have work (> 0)")
+    for name, meaning in QUOTA_OPTIONS.items():
+        given.add_argument(
+            f"--{name.replace('_', '-')}", dest=name, type=quota, metavar="N", help=f"{meaning}; 0: none"
+        )
+    unset = commands.add("unset", handlers["tenants unset"], "give a tenant the default weight again, and no quotas")
     unset.add_argument("tenant", metavar="TENANT")
+
+
+QUOTA_OPTIONS = {  # `client.tenants.TenantLimits`' fields
+    "max_queued": "requests held for fair share at most (more: TenantQuotaExceeded)",
+    "max_queued_tokens": "their estimated tokens at most (prompt + max_new_tokens)",
+    "max_running": "requests running at once at most",
+    "tokens_per_minute": "a rate reserved ahead of other tenants; past it, only idle capacity",
+}
 
 
 def _dead(dead: argparse.ArgumentParser, handlers: dict[str, Callable[..., Any]]) -> None:

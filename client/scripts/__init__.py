@@ -80,6 +80,7 @@ class SubmitOutcome(IntEnum):
     DUPLICATE = 0  # the id was submitted before: nothing added
     ADDED = 1
     FULL = -1  # the lane's backlog is at its limit: nothing added, not even the idempotency marker
+    TENANT_FULL = -2  # the tenant's queued requests or tokens are at its quota (`Keys.tenant_limits`): nothing added
 
 
 class PublishOutcome(IntEnum):
@@ -93,6 +94,7 @@ class PublishOutcome(IntEnum):
 # Error prefixes that concern the whole server: PUBLISH fails the call on them (the batch stays queued) instead of
 # failing the one event whose keys met them.
 SERVER_WIDE_ERRORS = ("OOM", "READONLY", "LOADING", "BUSY", "MASTERDOWN", "NOREPLICAS", "MISCONF", "CLUSTERDOWN")
+PUBLISH_HEADER_KEYS = 2  # the partition's tenant counts and running requests
 PUBLISH_HEADER_ARGS = 4  # group, reply MAXLEN, wake MAXLEN, wake TTL
 PUBLISH_KEYS_PER_EVENT = 6  # request stream, result stream, fence hash, reply stream, wake stream, usage hash
 PUBLISH_ARGS_PER_EVENT = 8  # attempt, ttl, event, seq, size, entry id to acknowledge, completion, usage
@@ -102,6 +104,21 @@ AFFINITY_MAX_KEYS = 10_000  # keys with a holder per queue partition; past it th
 USAGE_REQUESTS = "requests"
 USAGE_COUNTS = ("prompt_tokens", "generated_tokens", "queue_wait_ms", "generation_ms")
 FAIR_IDLE_TTL_MS = 86_400_000  # a lane's fair-share clock and idle tenants' virtual times outlive a day of silence
+# A request counts against its tenant's running quota until its final event, or this long after it was moved to
+# run when that event never comes (a request lost to a bug or a deleted stream): a count cannot leak for good.
+TENANT_RUNNING_TTL_MS = 3_600_000
+
+
+class TenantCount:
+    """Fields of a tenant's quota state in `Keys.tenant_counts`, each after "<tenant>|"."""
+
+    QUEUED = "queued"  # requests held for fair share, every lane (`submit.lua` up, `read.lua` down)
+    QUEUED_TOKENS = "queued_tokens"  # their estimated tokens (`COST_FIELD`)
+    RUNNING = "running"  # moved to run and not finished (`read.lua` up, `publish.lua` down, or lapsed)
+    BUCKET = "bucket"  # tokens left of its rate when last used (`tokens_per_minute`)
+    BUCKET_MS = "bucket_ms"  # ... and when
+    REFUND = "refund"  # tokens estimated above what its finished requests used, owed back to its virtual time
+
 
 # Everything the Lua sources name with `${NAME}`: Python's values, written into the source at load time.
 LUA_CONSTANTS: dict[str, str | bytes | int | tuple[str, ...]] = {
@@ -115,6 +132,8 @@ LUA_CONSTANTS: dict[str, str | bytes | int | tuple[str, ...]] = {
     "AFFINITY_NOTICE": AFFINITY_NOTICE,
     "AFFINITY_MAX_KEYS": AFFINITY_MAX_KEYS,
     "FAIR_IDLE_TTL_MS": FAIR_IDLE_TTL_MS,
+    "TENANT_RUNNING_TTL_MS": TENANT_RUNNING_TTL_MS,
+    **{f"COUNT_{name}": getattr(TenantCount, name) for name in vars(TenantCount) if name.isupper()},
     "USAGE_REQUESTS": USAGE_REQUESTS,
     "USAGE_COUNTS": USAGE_COUNTS,
     "FENCE_ATTEMPT": Fence.ATTEMPT,
@@ -125,6 +144,7 @@ LUA_CONSTANTS: dict[str, str | bytes | int | tuple[str, ...]] = {
     **{f"HAND_BACK_{reason.name}": int(reason) for reason in HandBackReason},
     **{f"SUBMIT_{outcome.name}": int(outcome) for outcome in SubmitOutcome},
     **{f"PUBLISH_{outcome.name}": int(outcome) for outcome in PublishOutcome},
+    "PUBLISH_HEADER_KEYS": PUBLISH_HEADER_KEYS,
     "PUBLISH_HEADER_ARGS": PUBLISH_HEADER_ARGS,
     "PUBLISH_KEYS_PER_EVENT": PUBLISH_KEYS_PER_EVENT,
     "PUBLISH_ARGS_PER_EVENT": PUBLISH_ARGS_PER_EVENT,
@@ -190,10 +210,10 @@ class LuaScript:
 
 class Submit(LuaScript):
     """KEYS: the lane's request stream and its fair-share keys (`Keys.fairness` of the lane, less the weights),
-    then each request's idempotency marker. ARGV: the lane's limit (0 = none), the result TTL, the client id, the
-    trace context (`TRACE_FIELD`, b"" for none), the tenant (b"" for none), then per request its entry, its
-    affinity key (`AFFINITY_FIELD`, b"" for none) and its estimated cost in tokens. Reply: a `SubmitOutcome` per
-    request (all FULL, or each ADDED or DUPLICATE)."""
+    the tenants' limits and counts, then each request's idempotency marker. ARGV: the lane's limit (0 = none), the
+    result TTL, the client id, the trace context (`TRACE_FIELD`, b"" for none), the tenant (b"" for none), then
+    per request its entry, its affinity key (`AFFINITY_FIELD`, b"" for none) and its estimated cost in tokens.
+    Reply: a `SubmitOutcome` per request (all FULL, all TENANT_FULL, or each ADDED or DUPLICATE)."""
 
     name = "submit"
 
@@ -213,6 +233,7 @@ class Submit(LuaScript):
     ) -> ScriptCall:
         markers = [keys.submitted(request_id) for request_id in request_ids]
         fairness = [keys.held(lane), keys.held_order(lane), keys.fair(lane), keys.fair_idle(lane), keys.fair_readers]
+        fairness += [keys.tenant_limits, keys.tenant_counts]
         per_request = zip(entries, affinities or [b""] * len(entries), costs or [0] * len(entries), strict=True)
         args = [item for triple in per_request for item in triple]
         return ScriptCall([keys.lane(lane), *fairness, *markers], [limit, ttl_s, client_id, trace, tenant, *args])
@@ -371,6 +392,8 @@ class PublishTarget(Protocol):
     def notify(self) -> str | None: ...
     @property
     def tenant(self) -> str | None: ...
+    @property
+    def cost(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,23 +410,32 @@ class PublishItem:
 
 
 def pack_usage(
-    ttl_s: int, tenant: str, outcome: str, prompt: int, generated: int, queue_wait_ms: int, generation_ms: int
+    ttl_s: int,
+    tenant: str,
+    outcome: str,
+    cost: int,
+    prompt: int,
+    generated: int,
+    queue_wait_ms: int,
+    generation_ms: int,
 ) -> bytes:
-    """A final event's `PublishItem.usage`: what `publish.lua` adds to the tenant's counts of the hour."""
-    numbers = (max(0, int(value)) for value in (prompt, generated, queue_wait_ms, generation_ms))
+    """A final event's `PublishItem.usage`: what `publish.lua` adds to the tenant's counts of the hour, and the
+    request's estimated tokens (`COST_FIELD`; 0: none), of which it refunds what was not used."""
+    numbers = (max(0, int(value)) for value in (cost, prompt, generated, queue_wait_ms, generation_ms))
     return "|".join([str(ttl_s), tenant, outcome.replace("|", "/"), *map(str, numbers)]).encode()
 
 
 class Publish(LuaScript):
-    """KEYS: `PUBLISH_KEYS_PER_EVENT` per event. ARGV: `PUBLISH_HEADER_ARGS`, then `PUBLISH_ARGS_PER_EVENT` per
-    event (see `publish.lua`). Reply: per event a `PublishOutcome`, or Redis's error message for its keys."""
+    """KEYS: `PUBLISH_HEADER_KEYS`, then `PUBLISH_KEYS_PER_EVENT` per event. ARGV: `PUBLISH_HEADER_ARGS`, then
+    `PUBLISH_ARGS_PER_EVENT` per event (see `publish.lua`). Reply: per event a `PublishOutcome`, or Redis's error
+    message for its keys."""
 
     name = "publish"
 
     @staticmethod
     def pack(where: Keys, items: Sequence[PublishItem], reply_maxlen: int) -> ScriptCall:
         hour = int(time.time()) // 3600  # the usage bucket: this hour's
-        keys: list[str] = []
+        keys: list[str] = [where.tenant_counts, where.tenant_running]
         args: list[Any] = [CONSUMER_GROUP, reply_maxlen, WAKE_MAXLEN, WAKE_TTL_S]
         for item in items:
             target = item.target

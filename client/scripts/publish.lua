@@ -1,33 +1,52 @@
 -- One call per flush, whatever it carries: packing and parsing a command per event was most of a busy worker's
--- time. KEYS: per event (PUBLISH_KEYS_PER_EVENT) its request stream (its lane's), result stream, fence hash, reply
+-- time. KEYS: the partition's tenant counts and running requests (`Keys.tenant_counts`, `Keys.tenant_running`),
+-- then per event (PUBLISH_KEYS_PER_EVENT) its request stream (its lane's), result stream, fence hash, reply
 -- stream, its client's wake stream and the usage hash of the hour (the result stream again for none). ARGV: the
 -- group, the reply streams' MAXLEN, the wake streams' MAXLEN and TTL (PUBLISH_HEADER_ARGS), then per event
 -- (PUBLISH_ARGS_PER_EVENT): attempt ('' = unfenced), ttl, event ('' = none: acknowledge only), seq, size, entry id
 -- to acknowledge ('' = none), completion for the reply stream ('' = none; appended with the event, so exactly when
--- the event is), usage ('' = none: "<ttl s>|<tenant>|<outcome>|<prompt tokens>|<generated tokens>|<queue wait
--- ms>|<generation ms>", a final event's, added to the tenant's counts in the usage hash with the event, so a
--- request counts once however often its final event is sent: `docs/tenants.md`).
+-- the event is), usage ('' = none: "<ttl s>|<tenant>|<outcome>|<estimated tokens>|<prompt tokens>|<generated
+-- tokens>|<queue wait ms>|<generation ms>", a final event's, added to the tenant's counts in the usage hash with
+-- the event, so a request counts once however often its final event is sent: `docs/tenants.md`; the same write
+-- ends the request's running count and refunds the tokens estimated above what it used to the tenant's fair share
+-- and rate).
 -- Returns per event WRITTEN (written or already there), FENCED, BEHIND (the stream holds fewer tokens than the
 -- event follows: a failover lost the last writes, so it is not written, which would leave a gap), or the error
 -- Redis gave for that event's keys alone (pcall): one request's broken key fails that request, never the batch.
 -- An error that concerns the whole server (out of memory, read-only replica, loading...) fails the call instead,
 -- so the batch stays queued. Each wake stream then gets one notice naming the result streams written for its
 -- client (`client._mux`).
-local function count_usage(hash, usage)
+local function count_field(tenant, what)  -- a field of `Keys.tenant_counts`
+  return tenant .. '|' .. what
+end
+
+local function count_usage(hash, usage, entry)
   local parts = {}
   for part in string.gmatch(usage, '[^|]+') do
     parts[#parts + 1] = part
   end
   local names = ${USAGE_COUNTS}
-  if #parts ~= 3 + #names then
+  if #parts ~= 4 + #names then
     return
   end
   local tenant = parts[2]
   redis.call('HINCRBY', hash, table.concat({tenant, ${USAGE_REQUESTS}, parts[3]}, '|'), 1)
   for i, name in ipairs(names) do
-    redis.call('HINCRBY', hash, tenant .. '|' .. name, parts[3 + i])
+    redis.call('HINCRBY', hash, tenant .. '|' .. name, parts[4 + i])
   end
   redis.call('EXPIRE', hash, parts[1])
+  if entry ~= '' and redis.call('ZREM', KEYS[2], tenant .. '\0' .. entry) == 1 then
+    if redis.call('HINCRBY', KEYS[1], count_field(tenant, ${COUNT_RUNNING}), -1) <= 0 then
+      redis.call('HDEL', KEYS[1], count_field(tenant, ${COUNT_RUNNING}))
+    end
+    local refund = tonumber(parts[4]) - tonumber(parts[5]) - tonumber(parts[6])
+    if refund > 0 then
+      redis.call('HINCRBY', KEYS[1], count_field(tenant, ${COUNT_REFUND}), refund)
+      if redis.call('HEXISTS', KEYS[1], count_field(tenant, ${COUNT_BUCKET})) == 1 then
+        redis.call('HINCRBYFLOAT', KEYS[1], count_field(tenant, ${COUNT_BUCKET}), refund)
+      end
+    end
+  end
 end
 
 local function publish(stream, result, fence, reply, usage_hash, attempt, ttl, event, seq, size, entry, completion,
@@ -55,7 +74,7 @@ local function publish(stream, result, fence, reply, usage_hash, attempt, ttl, e
       redis.call('XADD', reply, 'MAXLEN', '~', ARGV[2], '*', ${ENTRY_FIELD}, completion)
     end
     if usage ~= '' then
-      count_usage(usage_hash, usage)
+      count_usage(usage_hash, usage, entry)
     end
   end
   if entry ~= '' then
@@ -67,8 +86,8 @@ end
 local server_wide = ${SERVER_WIDE_ERRORS}
 local per_keys, per_args, header = ${PUBLISH_KEYS_PER_EVENT}, ${PUBLISH_ARGS_PER_EVENT}, ${PUBLISH_HEADER_ARGS}
 local written, refused, notices = {}, {}, {}
-for i = 0, #KEYS / per_keys - 1 do
-  local k, a = per_keys * i, header + 1 + per_args * i
+for i = 0, (#KEYS - ${PUBLISH_HEADER_KEYS}) / per_keys - 1 do
+  local k, a = ${PUBLISH_HEADER_KEYS} + per_keys * i, header + 1 + per_args * i
   local result = KEYS[k + 2]
   local outcome = refused[result]  -- a request refused once: its later events (and its ack) are not tried
   if not outcome then

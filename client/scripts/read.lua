@@ -132,32 +132,120 @@ local function field(fields, name)
   return nil
 end
 
+-- Quotas (`Keys.tenant_limits`: "<max queued> <max queued tokens> <max running> <tokens per minute>", 0 = none),
+-- read once per call and tenant.
+local quota_keys = lanes + 6 + 4 * lanes + 2
+local limits, tallies, running = KEYS[quota_keys + 1], KEYS[quota_keys + 2], KEYS[quota_keys + 3]
+local quotas, limited = {}, redis.call('EXISTS', limits) == 1
+
+local function count_field(tenant, what)  -- a field of `Keys.tenant_counts`
+  return tenant .. '|' .. what
+end
+
+local function quota(tenant)
+  if quotas[tenant] == nil then
+    local _, _, max_running, rate = string.match(redis.call('HGET', limits, tenant) or '', '^(%d+) (%d+) (%d+) (%d+)')
+    quotas[tenant] = {tonumber(max_running) or 0, tonumber(rate) or 0}
+  end
+  return quotas[tenant][1], quotas[tenant][2]
+end
+
+-- The tokens left of a tenant's rate: a bucket of a minute's tokens, full when never used, refilled as time passes.
+local function bucket(tenant, rate)
+  local bucket_field, at_field = count_field(tenant, ${COUNT_BUCKET}), count_field(tenant, ${COUNT_BUCKET_MS})
+  local level = redis.call('HMGET', tallies, bucket_field, at_field)
+  if not level[1] or not level[2] then
+    return rate
+  end
+  return math.min(rate, tonumber(level[1]) + (now - tonumber(level[2])) * rate / 60000)
+end
+
+local function add(tenant, what, delta)
+  if redis.call('HINCRBY', tallies, count_field(tenant, what), delta) <= 0 then
+    redis.call('HDEL', tallies, count_field(tenant, what))
+  end
+end
+
+-- A running count lapses with its request's lease on the count (`TENANT_RUNNING_TTL_MS`): a request lost without
+-- its final event, which frees it at once (`publish.lua`), cannot hold its tenant's quota for good.
+for _, member in ipairs(redis.call('ZRANGEBYSCORE', running, '-inf', now, 'LIMIT', 0, 32)) do
+  redis.call('ZREM', running, member)
+  add(string.match(member, '^[^%z]*'), ${COUNT_RUNNING}, -1)
+end
+
+-- The tenant whose oldest held entry runs next, and its virtual time. Without quotas, the least virtual time.
+-- With them, a tenant at its running quota waits; one within its rate (reserved capacity) goes first, the least
+-- virtual time of those; then tenants without a rate; then those past their rate (overflow: only while no one
+-- else waits).
+local function pick(fair)
+  if not limited then
+    local first = redis.call('ZRANGE', fair, 0, 0, 'WITHSCORES')
+    return first[1], tonumber(first[2])
+  end
+  local tenants = redis.call('ZRANGE', fair, 0, -1, 'WITHSCORES')
+  local shared, overflow
+  for i = 1, #tenants, 2 do
+    local tenant = tenants[i]
+    local max_running, rate = quota(tenant)
+    local busy = tonumber(redis.call('HGET', tallies, count_field(tenant, ${COUNT_RUNNING}))) or 0
+    if max_running == 0 or busy < max_running then
+      if rate == 0 then
+        shared = shared or i
+      elseif bucket(tenant, rate) >= 1 then
+        return tenant, tonumber(tenants[i + 1])
+      else
+        overflow = overflow or i
+      end
+    end
+  end
+  local chosen = shared or overflow
+  if chosen then
+    return tenants[chosen], tonumber(tenants[chosen + 1])
+  end
+  return nil, nil
+end
+
 -- Fair share between tenants: moves up to `count` held entries of `lane` to its stream, each time the oldest of
--- the tenant with the least virtual time (tokens moved over its weight, `COST_FIELD`), which then grows by the
--- entry's cost over the tenant's weight; the lane's clock is the virtual time of the latest move (a tenant that
--- starts holding again starts there). Returns how many moved.
+-- the tenant `pick` chooses, whose virtual time then grows by the entry's cost (`COST_FIELD`, less what its finished
+-- requests did not use: their refund) over the tenant's weight; the lane's clock is the virtual time of the latest
+-- move (a tenant that starts holding again starts there). Each move updates the tenant's quota state: queued down,
+-- running up (until the request's final event), its rate's bucket down by the cost. Returns how many moved.
 local function promote(lane, count)
   local base = lanes + 6 + 4 * (lane - 1)
   local held, order, fair, idle = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
   local moved = 0
   while moved < count do
-    local first = redis.call('ZRANGE', fair, 0, 0, 'WITHSCORES')
-    if #first == 0 then
+    local tenant, vtime = pick(fair)
+    if not tenant then
       break
     end
-    local tenant, vtime = first[1], tonumber(first[2])
     local head = redis.call('ZRANGEBYLEX', order, '[' .. tenant .. '\0', '(' .. tenant .. '\1', 'LIMIT', 0, 2)
     if head[1] then
       redis.call('ZREM', order, head[1])
       local id = string.match(head[1], '%z[^%z]*%z(.+)')
       local entry = redis.call('XRANGE', held, id, id)[1]
       if entry then
-        redis.call('XADD', KEYS[lane], '*', unpack(entry[2]))
+        local moved_id = redis.call('XADD', KEYS[lane], '*', unpack(entry[2]))
         redis.call('XDEL', held, id)
         local weight = tonumber(redis.call('HGET', weights, tenant)) or 1
-        local cost = tonumber(field(entry[2], ${COST_FIELD})) or 1
+        local cost = math.max(tonumber(field(entry[2], ${COST_FIELD})) or 1, 1)
+        local owed = tonumber(redis.call('HGET', tallies, count_field(tenant, ${COUNT_REFUND}))) or 0
+        local refund = math.min(owed, cost - 1)
+        if refund > 0 then
+          add(tenant, ${COUNT_REFUND}, -refund)
+        end
         redis.call('HSET', idle, '', vtime)
-        vtime = vtime + math.max(cost, 1) / (weight > 0 and weight or 1)
+        vtime = vtime + (cost - refund) / (weight > 0 and weight or 1)
+        add(tenant, ${COUNT_QUEUED}, -1)
+        add(tenant, ${COUNT_QUEUED_TOKENS}, -cost)
+        redis.call('ZADD', running, now + ${TENANT_RUNNING_TTL_MS}, tenant .. '\0' .. moved_id)
+        add(tenant, ${COUNT_RUNNING}, 1)
+        local _, rate = quota(tenant)
+        if rate > 0 then
+          local left = bucket(tenant, rate) - cost
+          redis.call('HSET', tallies, count_field(tenant, ${COUNT_BUCKET}), left)
+          redis.call('HSET', tallies, count_field(tenant, ${COUNT_BUCKET_MS}), now)
+        end
         moved = moved + 1
       end
     end

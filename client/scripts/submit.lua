@@ -1,20 +1,27 @@
 -- The client's submit of one call's requests (one, or its `n` choices): an atomic, all-or-nothing check-and-add.
 -- KEYS: the lane's request stream, its held stream, held order, virtual times and idle hash (`Keys.fairness`), the
--- readers' mark, then each request's idempotency marker; ARGV: the lane's limit (0 = none), the result TTL, the
--- client id (its wake stream's name), the submitter's trace context ('' = none: an entry field of its own, which a
--- worker that predates it ignores), the tenant ('' = none), then per request its entry, its affinity key
--- (`AFFINITY_FIELD`, '' = none: a field a worker that predates it ignores too) and its estimated cost in tokens.
--- Answers, per request, ADDED or DUPLICATE (submitted before: nothing added), or FULL for every one when the
--- backlog has no room for the new ones (nothing added, not even a marker). Added in one call, a call's requests
--- enter the stream together, so the worker that reads first takes them all and computes their shared prompt once.
+-- readers' mark, the tenants' limits and counts, then each request's idempotency marker; ARGV: the lane's limit
+-- (0 = none), the result TTL, the client id (its wake stream's name), the submitter's trace context ('' = none: an
+-- entry field of its own, which a worker that predates it ignores), the tenant ('' = none), then per request its
+-- entry, its affinity key (`AFFINITY_FIELD`, '' = none: a field a worker that predates it ignores too) and its
+-- estimated cost in tokens. Answers, per request, ADDED or DUPLICATE (submitted before: nothing added); or FULL for
+-- every one when the backlog has no room for the new ones, TENANT_FULL for every one when they would take the
+-- tenant past its queued quota (nothing added then, not even a marker). Added in one call, a call's requests enter
+-- the stream together, so the worker that reads first takes them all and computes their shared prompt once.
 -- Workers XDEL finished requests, so XLEN of the stream and of the held stream is the lane's backlog.
 --
 -- Fair share (`docs/tenants.md`): while a worker that moves held requests reads the partition (the readers' mark),
 -- a tenant's requests are held: added to the held stream and indexed by tenant, and the tenant, if it had nothing
 -- held, joins the fair queue at the lane's virtual clock (or its own virtual time, if that is ahead: a tenant
--- cannot bank idle time). Workers move held requests to the lane's stream in fair order (`read.lua`).
+-- cannot bank idle time). Workers move held requests to the lane's stream in fair order (`read.lua`). The tenant's
+-- queued counts (requests and their estimated tokens, held in any lane) grow here and shrink as workers move them:
+-- its limits ("<max queued> <max queued tokens> <max running> <tokens per minute>", 0 = none) bound them.
 local stream, held, order, fair, idle, readers = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local markers = 6
+local limits, counts = KEYS[7], KEYS[8]
+local markers = 8
+local function count_field(tenant, what)  -- a field of `Keys.tenant_counts`
+  return tenant .. '|' .. what
+end
 local answers, new = {}, {}
 for i = markers + 1, #KEYS do
   if redis.call('EXISTS', KEYS[i]) == 1 then
@@ -32,6 +39,27 @@ if #new > 0 and limit > 0 and redis.call('XLEN', stream) + redis.call('XLEN', he
   return answers
 end
 local hold = tenant ~= '' and redis.call('EXISTS', readers) == 1
+if hold and #new > 0 then
+  local tokens = 0
+  for _, i in ipairs(new) do
+    tokens = tokens + (tonumber(ARGV[3 * i + 5]) or 0)
+  end
+  local max_queued, max_tokens = string.match(redis.call('HGET', limits, tenant) or '', '^(%d+) (%d+)')
+  if max_queued then
+    local queued_field, tokens_field = count_field(tenant, ${COUNT_QUEUED}), count_field(tenant, ${COUNT_QUEUED_TOKENS})
+    local queued = redis.call('HMGET', counts, queued_field, tokens_field)
+    max_queued, max_tokens = tonumber(max_queued), tonumber(max_tokens)
+    if (max_queued > 0 and (tonumber(queued[1]) or 0) + #new > max_queued)
+        or (max_tokens > 0 and (tonumber(queued[2]) or 0) + tokens > max_tokens) then
+      for i = 1, #answers do
+        answers[i] = ${SUBMIT_TENANT_FULL}
+      end
+      return answers
+    end
+  end
+  redis.call('HINCRBY', counts, count_field(tenant, ${COUNT_QUEUED}), #new)
+  redis.call('HINCRBY', counts, count_field(tenant, ${COUNT_QUEUED_TOKENS}), tokens)
+end
 if hold and #new > 0 and not redis.call('ZSCORE', fair, tenant) then
   local clock = tonumber(redis.call('HGET', idle, '') or 0)
   local own = tonumber(redis.call('HGET', idle, tenant) or 0)

@@ -21,6 +21,7 @@ from client.scripts import (
     LUA_CONSTANTS,
     PUBLISH_ARGS_PER_EVENT,
     PUBLISH_HEADER_ARGS,
+    PUBLISH_HEADER_KEYS,
     PUBLISH_KEYS_PER_EVENT,
     SCRIPTS,
     Fence,
@@ -48,6 +49,8 @@ REDIS_WORDS = {
     *("^(%d+)-(%d+)", "%z[^%z]*%z(.+)"),
     # ... and usage's: a final event's counts, "|"-separated (`pack_usage`)
     *("[^|]+", "|", "HINCRBY"),
+    # ... and quotas': a tenant's limits (`TenantLimits.pack`) and its running requests ("tenant\0entry id")
+    *("^(%d+) (%d+)", "^(%d+) (%d+) (%d+) (%d+)", "^[^%z]*", "HINCRBYFLOAT", "HEXISTS"),
 }
 
 
@@ -105,23 +108,26 @@ class Target:
     reply_to: str | None = None
     notify: str | None = None
     tenant: str | None = None
+    cost: int = 0
 
 
 def test_publish_packs_its_strides() -> None:
-    usage = scripts.pack_usage(3600, "billing", "stop", 5, 7, 10, 20)
+    usage = scripts.pack_usage(3600, "billing", "stop", 40, 5, 7, 10, 20)
     items = [
         PublishItem(Target("r1", attempt=2, reply_to="out", notify="c1"), b"e", 0, 1, ack=b"1-0", usage=usage),
         PublishItem(Target("r2", "batch", 30), b"", 0, 1),
     ]
     call = scripts.Publish.pack(KEYS, items, reply_maxlen=10)
-    assert len(call.keys) == PUBLISH_KEYS_PER_EVENT * 2
+    assert len(call.keys) == PUBLISH_HEADER_KEYS + PUBLISH_KEYS_PER_EVENT * 2
     assert len(call.args) == PUBLISH_HEADER_ARGS + PUBLISH_ARGS_PER_EVENT * 2
+    assert call.keys[:2] == [KEYS.tenant_counts, KEYS.tenant_running]
+    del call.keys[:2]
     assert call.keys[:5] == [KEYS.requests, KEYS.result("r1"), KEYS.fence("r1"), KEYS.reply("out"), KEYS.wake("c1")]
     assert call.keys[5].startswith(f"{KEYS.tag}:usage:")  # this hour's
     # r2 has no reply stream, no client to wake and no usage: its result stream stands in for each
     assert call.keys[6:] == [KEYS.lane("batch"), KEYS.result("r2"), KEYS.fence("r2"), *[KEYS.result("r2")] * 3]
     assert call.args[:4] == [CONSUMER_GROUP, 10, scripts.WAKE_MAXLEN, scripts.WAKE_TTL_S]
-    assert call.args[4:12] == [2, 60, b"e", 0, 1, b"1-0", b"", b"3600|billing|stop|5|7|10|20"]
+    assert call.args[4:12] == [2, 60, b"e", 0, 1, b"1-0", b"", b"3600|billing|stop|40|5|7|10|20"]
     assert call.args[12:14] == ["", 30] and call.args[-1] == b""
 
 

@@ -89,12 +89,47 @@ async def test_a_key_cannot_act_for_another_tenant(
     assert refused.status_code == 401
 
 
-async def test_the_files_weights_reach_every_partition(gateway: Any, redis_url: str, tmp_path: Path) -> None:
-    await gateway(tenants_file=tenants_file(tmp_path), queues="default,other", queue_partitions=2)
+async def test_the_files_weights_and_quotas_reach_every_partition(
+    gateway: Any, redis_url: str, tmp_path: Path
+) -> None:
+    limited = {**TENANTS, "search": {"keys": ["key-search"], "limits": {"max_running": 4, "tokens_per_minute": 90}}}
+    await gateway(tenants_file=tenants_file(tmp_path, limited), queues="default,other", queue_partitions=2)
     async with aioredis.Redis.from_url(redis_url) as redis:
         for queue in ("default", "other"):
             for part in Keys(queue).partitioned(2):
                 assert await redis.hgetall(part.tenant_weights) == {b"billing": b"3.0"}
+                assert await redis.hgetall(part.tenant_limits) == {b"search": b"0 0 4 90"}
+
+
+async def test_a_tenant_past_its_queued_quota_gets_a_429_with_its_retry_after(
+    gateway: Any, start_worker: Any, redis_url: str, tmp_path: Path
+) -> None:
+    """One worker, one slot: billing's first request runs, its second waits (held: its quota of one queued), its
+    third is refused; search, another tenant, is still queued."""
+    quotas = {
+        "billing": {"keys": ["key-billing"], "limits": {"max_queued": 1}, "retry_after_s": 7},
+        "search": {"keys": ["key-search"]},
+    }
+    await start_worker(step_s=0.1, max_running=1)
+    served = await gateway(tenants_file=tenants_file(tmp_path, quotas), retry_after_s=2)
+    model = await model_for(served, "key-billing")
+    body = {"model": model, "prompt": "hello", "max_tokens": 20}
+    async with served.http(timeout=60) as http, aioredis.Redis.from_url(redis_url) as redis:
+
+        def post(key: str) -> Any:
+            return http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+
+        first = asyncio.create_task(post("key-billing"))
+        await wait_until(lambda: redis.xlen(KEYS.lane("default")))  # running
+        second = asyncio.create_task(post("key-billing"))
+        await wait_until(lambda: redis.xlen(KEYS.held("default")))  # held: billing's one queued
+        refused = await post("key-billing")
+        assert refused.status_code == 429, refused.text
+        assert refused.headers["Retry-After"] == "7"
+        assert refused.json()["error"]["code"] == "tenant_quota_exceeded"
+        other = asyncio.create_task(post("key-search"))
+        answers = await asyncio.gather(first, second, other)
+    assert [answer.status_code for answer in answers] == [200, 200, 200]
 
 
 @pytest.mark.parametrize(
@@ -107,7 +142,12 @@ async def test_the_files_weights_reach_every_partition(gateway: Any, redis_url: 
         ({"a": {"keys": ["k"], "weight": 0}}, "a weight must be"),
         ({"a": {"keys": ["k"], "weight": "3"}}, "a weight must be"),
         ({"a": {"keys": ["dup-secret"]}, "b": {"keys": ["dup-secret"]}}, "listed twice"),
-        ({"a": {"keys": ["k"], "quota": 1}}, "an optional 'weight'"),
+        ({"a": {"keys": ["k"], "quota": 1}}, "an object of keys, limits, retry_after_s, weight"),
+        ({"a": {"keys": ["k"], "limits": {"max_queued": 0}}}, "max_queued must be a whole number"),
+        ({"a": {"keys": ["k"], "limits": {"max_running": 2.5}}}, "max_running must be a whole number"),
+        ({"a": {"keys": ["k"], "limits": {"max_runing": 2}}}, "max_runing"),
+        ({"a": {"keys": ["k"], "limits": [1]}}, "'limits' must be an object"),
+        ({"a": {"keys": ["k"], "retry_after_s": -1}}, "'retry_after_s' must be"),
     ],
 )
 def test_a_bad_tenants_file_is_refused_at_start_without_showing_a_key(
