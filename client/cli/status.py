@@ -12,6 +12,7 @@ from client.cli.exits import Exit
 from client.cli.output import warn
 from client.protocol import PrefixCacheInfo, ms_now
 from client.store import QueueStatus
+from client.tenants import TenantInfo, Tenants
 
 
 def format_status(status: QueueStatus, previous: QueueStatus | None = None) -> str:
@@ -64,11 +65,35 @@ def prefix_cache(cache: PrefixCacheInfo | None) -> str:
     return f"prefix cache {rate} of {cache.queries} prompt tokens  "
 
 
+def format_tenants(tenants: list[TenantInfo]) -> str:
+    """Each tenant's backlog (held for fair share) and share of the requests running, where any has either."""
+    busy = [tenant for tenant in tenants if tenant.running or any(tenant.held.values())]
+    if not busy:
+        return ""
+    total = sum(tenant.running for tenant in busy)
+    width = max(len(tenant.tenant) for tenant in busy)
+    lines = [f"tenants: {len(busy)} with requests held or running"]
+    for tenant in busy:
+        share = f"{100 * tenant.running / total:.0f}%" if total else "-"
+        held = sum(tenant.held.values())
+        lines.append(f"  {tenant.tenant:<{width}}  held {held}  running {tenant.running}  share {share}")
+    return "\n".join(lines)
+
+
+def _reading(context: Context, previous: QueueStatus | None) -> tuple[QueueStatus, str]:
+    """The status now, and its text (or JSON) with the tenants'."""
+    args = context.args
+    current = context.client.status(stale_after_s=args.stale_after)
+    tenants = Tenants(context.admin, context.queue).listing()
+    if args.json:
+        return current, json.dumps({**current.as_dict(), "tenants": [asdict(tenant) for tenant in tenants]})
+    return current, "\n".join(filter(None, [format_status(current, previous), format_tenants(tenants)]))
+
+
 def status(context: Context) -> Exit:
-    args, client = context.args, context.client
+    args = context.args
     if args.watch is None:
-        current = client.status(stale_after_s=args.stale_after)
-        print(json.dumps(current.as_dict()) if args.json else format_status(current))
+        print(_reading(context, None)[1])
         return Exit.OK
     previous = None
     # Ctrl-C ends it between two refreshes: a KeyboardInterrupt raised inside redis-py could leave a lock of its
@@ -78,8 +103,7 @@ def status(context: Context) -> Exit:
     default_handler = signal.signal(signal.SIGINT, lambda *_: stopped.set()) if in_main_thread else None
     try:
         while not stopped.is_set():
-            current = client.status(stale_after_s=args.stale_after)
-            text = json.dumps(current.as_dict()) if args.json else format_status(current, previous)
+            current, text = _reading(context, previous)
             print(text if args.json else f"\x1b[H\x1b[2J{text}", flush=True)  # clear and redraw in place
             previous = current
             pause(stopped, args.watch)

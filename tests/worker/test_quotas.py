@@ -5,6 +5,7 @@ above what they used."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import Counter
@@ -208,3 +209,25 @@ def test_llmq_tenants_sets_lists_and_unsets_quotas(redis_url: str, capsys: pytes
     rc, out = llmq(redis_url, capsys, "tenants", "unset", "a")
     assert rc == 0 and "no quotas" in out
     assert json.loads(llmq(redis_url, capsys, "tenants", "list", "--json")[1])["tenants"] == []
+
+
+async def test_llmq_status_shows_each_tenants_backlog_and_share(
+    redis_url: str, lib: Scripts, client: AsyncClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await submit(client, "a", 5)
+    await submit(client, "b", 5)
+    await take(lib, 4)  # two each, at equal weights and costs
+    await take(lib, 1)
+    await asyncio.to_thread(main, ["--url", redis_url, "--queue", QUEUE, "status"])
+    out = capsys.readouterr().out
+    assert "tenants: 2 with requests held or running" in out, out
+    rows = {
+        line.split()[0]: line.split()[1:]
+        for line in out.splitlines()
+        if line.startswith("  a ") or line.startswith("  b ")
+    }
+    assert rows["a"] == ["held", "2", "running", "3", "share", "60%"], out
+    assert rows["b"] == ["held", "3", "running", "2", "share", "40%"], out
+    await asyncio.to_thread(main, ["--url", redis_url, "--queue", QUEUE, "status", "--json"])
+    shown = json.loads(capsys.readouterr().out)
+    assert {t["tenant"]: t["running"] for t in shown["tenants"]} == {"a": 3, "b": 2}
