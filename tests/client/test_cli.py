@@ -116,6 +116,7 @@ async def test_status_json(redis_url: str, server: aioredis.Redis, capsys: pytes
         "tokens_per_s": 100.0,
         "partitions": [],  # one partition: no breakdown
         "prefix_caches": {},  # no live worker: none
+        "tenants": [],  # none with a weight, quotas or requests held
     }
 
 
