@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 from client import AsyncClient, AsyncJob, LLMQError, RequestFailed
 from client.protocol import ENTRY_FIELD, decode_event, ms_now
 from client.store import Keys
+from client.tenants import TenantLimits
 from worker.embedded_redis import RedisServer
 from worker.engine import Engine, EngineConfig, EngineRequest, GenerationParams, LoadOptions, load_model
 
@@ -185,6 +186,7 @@ async def unbounded_keys(redis: Redis) -> list[str]:
     """Keys of ours that can grow without limit: every per-request key must carry a TTL."""
     held = {KEYS.held(lane) for lane in KEYS.lanes}  # emptied as workers move them, as the lanes' streams are
     bounded_by_design = {*KEYS.lanes.values(), *held, KEYS.dead, KEYS.workers, KEYS.prefix_caches}  # or trimmed, pruned
+    bounded_by_design |= {KEYS.tenant_limits, KEYS.tenant_counts, KEYS.tenant_running}  # by tenants, running requests
     found = []
     async for key in redis.scan_iter(match=f"{KEYS.tag}*", count=1000):
         name = key.decode()
@@ -279,6 +281,10 @@ class FaultReport:
     engine_restarts: int = 0
     stuck_workers: int = 0  # did not exit 0 by themselves on SIGTERM
     held_keys: int = 0  # cache affinity's keys with a holder at the end
+    usage_requests: int = 0  # requests counted in the tenants' usage
+    usage_generated: int = 0  # generated tokens counted there
+    generated: int = 0  # generated tokens the clients saw
+    quota_state_left: dict[str, int] = field(default_factory=dict)  # tenants' queued and running counts at the end
     exit_codes: dict[str, int] = field(default_factory=dict)
 
 
@@ -291,11 +297,13 @@ async def run_faults(
     seed: int,
     hostile: list[tuple[str, bytes]] | None = None,
     shared_starts: int = 0,
+    tenants: dict[str, TenantLimits] | None = None,
 ) -> FaultReport:
     """Streams `requests` greedy requests through the cluster's workers while injecting `faults` (each one of
     kill, stop, term, redis) at random moments and interleaving `malformed` bad entries and `hostile`
     requests (each must be answered with a typed error within 30 s); then checks. With `shared_starts`, the
-    prompts begin with one of that many 80-token starts, so cache affinity gives each start a holder."""
+    prompts begin with one of that many 80-token starts, so cache affinity gives each start a holder. With
+    `tenants` (name -> quotas), the requests are theirs in turn, under those quotas."""
     import random
 
     rng = random.Random(seed)
@@ -316,11 +324,19 @@ async def run_faults(
         Redis.from_url(cluster.url) as redis,
     ):
         await wait_for_workers(client, len(cluster.workers))
+        for tenant, limits in (tenants or {}).items():
+            await redis.hset(KEYS.tenant_limits, tenant, limits.pack())
+        owners = list(tenants or {}) or [None]
         jobs = []
         per_request = max(1, len(bad) // max(1, requests))
         every = max(1, requests // max(1, len(hostile)))
         for index, (prompt, length) in enumerate(zip(prompts, lengths, strict=True)):
-            jobs.append(await client.submit(input_ids=prompt, max_new_tokens=length, temperature=0, ignore_eos=True))
+            owner = owners[index % len(owners)]
+            jobs.append(
+                await client.submit(
+                    input_ids=prompt, max_new_tokens=length, temperature=0, ignore_eos=True, tenant=owner
+                )
+            )
             for _ in range(per_request):
                 if bad:
                     await redis.xadd(KEYS.requests, {ENTRY_FIELD: bad.pop()})
@@ -335,6 +351,7 @@ async def run_faults(
         await injector
         report.completed = sum(1 for r in results if not isinstance(r, BaseException))
         report.lost = requests - report.completed
+        report.generated = sum(r.usage.completion_tokens for r in results if not isinstance(r, BaseException))
     # A fresh connection for the checks: the one above may have outlived a Redis restart.
     async with Redis.from_url(cluster.url) as redis:
         for job, want in zip(jobs, expected, strict=True):
@@ -350,6 +367,15 @@ async def run_faults(
         report.dead_letters = await redis.xlen(KEYS.dead)
         report.unbounded_keys = len(await unbounded_keys(redis))
         report.held_keys = await redis.hlen(KEYS.affinity_holders)
+        if tenants:
+            hour = int(time.time()) // 3600  # and the one before: a run may cross an hour
+            hours = [await redis.hgetall(KEYS.usage(h)) for h in (hour - 1, hour)]
+            counted = [(k, int(v)) for usage in hours for k, v in usage.items()]
+            report.usage_requests = sum(v for k, v in counted if b"|requests|" in k)
+            report.usage_generated = sum(v for k, v in counted if k.endswith(b"|generated_tokens"))
+            counts = await redis.hgetall(KEYS.tenant_counts)
+            kept = (b"|queued", b"|queued_tokens", b"|running")
+            report.quota_state_left = {k.decode(): int(v) for k, v in counts.items() if k.endswith(kept)}
     report.exit_codes.update(cluster.stop())
     report.stuck_workers = sum(code != 0 for code in report.exit_codes.values())
     report.engine_restarts = cluster.engine_failures()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from client.tenants import TenantLimits
 from testing.fault_cluster import Cluster, FaultReport, run_faults
 from testing.tiny_models import save_tiny_model
 
@@ -50,6 +51,23 @@ def test_kill_9_the_holders_of_shared_prompt_starts(cluster: Cluster) -> None:
     assert report.kills == 2
     assert 1 <= report.held_keys <= 3, report
     assert_nothing_lost(report)
+
+
+def test_kill_9_workers_under_tenant_quotas(cluster: Cluster) -> None:
+    """Tenants under quotas through kill -9s: every request answered once, each counted once in the tenants'
+    usage, and no queued or running count left over (a killed worker's requests resume under the same count)."""
+    tenants = {
+        "capped": TenantLimits(max_running=2),
+        "rated": TenantLimits(tokens_per_minute=3000),
+        "free": TenantLimits(),
+    }
+    report = asyncio.run(
+        run_faults(cluster, requests=36, faults=["kill", "kill"], malformed=0, seed=7, tenants=tenants)
+    )
+    assert report.kills == 2
+    assert_nothing_lost(report)
+    assert report.usage_requests == report.requests and report.usage_generated == report.generated > 0, report
+    assert report.quota_state_left == {}, report
 
 
 def test_paused_worker_cannot_write_after_its_lease(cluster: Cluster) -> None:
