@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -89,9 +90,7 @@ async def test_a_key_cannot_act_for_another_tenant(
     assert refused.status_code == 401
 
 
-async def test_the_files_weights_and_quotas_reach_every_partition(
-    gateway: Any, redis_url: str, tmp_path: Path
-) -> None:
+async def test_the_files_weights_and_quotas_reach_every_partition(gateway: Any, redis_url: str, tmp_path: Path) -> None:
     limited = {**TENANTS, "search": {"keys": ["key-search"], "limits": {"max_running": 4, "tokens_per_minute": 90}}}
     await gateway(tenants_file=tenants_file(tmp_path, limited), queues="default,other", queue_partitions=2)
     async with aioredis.Redis.from_url(redis_url) as redis:
@@ -163,3 +162,54 @@ async def test_without_a_tenants_file_nothing_is_written(gateway: Any, redis_url
     await asyncio.sleep(0.1)
     async with aioredis.Redis.from_url(redis_url) as redis:
         assert await redis.exists(KEYS.tenant_weights) == 0
+
+
+async def test_a_tenants_key_reaches_nothing_of_another_tenant(
+    gateway: Any, start_worker: Any, redis_url: str, tmp_path: Path
+) -> None:
+    """Isolation with a second key: another tenant's Idempotency-Key names another generation (no attaching to
+    billing's), and billing's batch and files are 404 to search, as if they did not exist."""
+    await start_worker()
+    served = await gateway(tenants_file=tenants_file(tmp_path), batch_poll_s=0.1)
+    model = await model_for(served, "key-billing")
+    billing = {"Authorization": "Bearer key-billing"}
+    search = {"Authorization": "Bearer key-search"}
+    body = {"model": model, "prompt": "hello", "max_tokens": 4}
+    async with served.http(timeout=30) as http:
+        same = {"Idempotency-Key": "shared-key"}
+        first = await http.post("/v1/completions", json=body, headers={**billing, **same})
+        other = await http.post("/v1/completions", json=body, headers={**search, **same})
+        assert first.status_code == other.status_code == 200
+        assert first.json()["id"] != other.json()["id"]  # two generations, each its key's
+        line = {"custom_id": "1", "method": "POST", "url": "/v1/completions", "body": body}
+        upload = await http.post(
+            "/v1/files",
+            headers=billing,
+            data={"purpose": "batch"},
+            files={"file": ("in.jsonl", json.dumps(line).encode() + b"\n")},
+        )
+        assert upload.status_code == 200, upload.text
+        file_id = upload.json()["id"]
+        created = await http.post(
+            "/v1/batches",
+            headers=billing,
+            json={"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"},
+        )
+        assert created.status_code == 200, created.text
+        batch_id = created.json()["id"]
+        for method, path in [
+            ("GET", f"/v1/batches/{batch_id}"),
+            ("POST", f"/v1/batches/{batch_id}/cancel"),
+            ("GET", f"/v1/files/{file_id}"),
+            ("GET", f"/v1/files/{file_id}/content"),
+            ("DELETE", f"/v1/files/{file_id}"),
+        ]:
+            refused = await http.request(method, path, headers=search)
+            assert refused.status_code == 404, (method, path, refused.text)
+        listed = await http.get("/v1/batches", headers=search)
+        assert batch_id not in [batch["id"] for batch in listed.json()["data"]]
+        assert (await http.get(f"/v1/batches/{batch_id}", headers=billing)).status_code == 200
+    hour = int(time.time()) // 3600
+    async with aioredis.Redis.from_url(redis_url) as redis:  # this hour's usage and the last's: a test may cross one
+        usage = {**await redis.hgetall(KEYS.usage(hour - 1)), **await redis.hgetall(KEYS.usage(hour))}
+    assert usage.get(b"billing|requests|length") and usage.get(b"search|requests|length")  # each its own
