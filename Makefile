@@ -29,11 +29,13 @@ lint: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
-# The unit tier on both cores, then the tiers that start Redis servers, engines and workers one test at a time
-# (their Cluster sets and failovers time out when they share the two cores).
+# The unit tier on both cores; then the tests that start Redis servers, engines and workers, two at a time (a
+# file's tests in one process: they share its module fixtures); then, one at a time, the Cluster sets, Sentinel
+# failovers and kill -9 harnesses, whose timeouts would fire if they shared the two cores (marker `serial`).
 test: lint docs
 	$(BIN)/python -m pytest -m unit -n 2 -q
-	$(BIN)/python -m pytest -m "not unit"
+	$(BIN)/python -m pytest -m "not unit and not serial" -n 2 --dist loadfile -q
+	$(BIN)/python -m pytest -m "not unit and serial"
 
 # The unit tier (no Redis, no model, no engine; markers set by tests/conftest.py) on both cores: about 3.5 min.
 test-fast: $(STAMP)

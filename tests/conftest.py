@@ -12,6 +12,19 @@ from worker.embedded_redis import RedisServer
 _REDIS_FIXTURES = {"redis_server", "redis_cluster", "sentinel_set"}  # real redis-server processes
 _MODEL_FIXTURES = {"tiny_model_dir", "llama_dir", "model_dir", "make_engine", "live"}  # a model on disk, an engine
 _NOT_UNIT = ("redis", "model", "slow", "gpu")
+# Tests whose timing is the point (Redis Cluster sets and Sentinel failovers, kill -9 of worker processes): `make
+# test` runs them alone, after the others have run two at a time.
+_SERIAL_FOLDERS = {"topologies", "faults"}
+_SERIAL_FIXTURES = {"redis_cluster", "sentinel_set", "cluster"}  # `cluster`: worker processes to kill (e2e)
+_SERIAL_NAMES = {"RedisClusterSet", "SentinelSet"}  # a set started in the test's own body
+
+
+def _serial(item: pytest.Item, used: set[str]) -> bool:
+    if _SERIAL_FOLDERS & set(item.path.parts) or used & _SERIAL_FIXTURES:
+        return True
+    function = getattr(item, "function", None)
+    code = getattr(function, "__code__", None)
+    return code is not None and bool(_SERIAL_NAMES & set(code.co_names))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -21,6 +34,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.redis)
         if used & _MODEL_FIXTURES:
             item.add_marker(pytest.mark.model)
+        if _serial(item, used):
+            item.add_marker(pytest.mark.serial)
         if not any(item.get_closest_marker(name) for name in _NOT_UNIT):
             item.add_marker(pytest.mark.unit)
 
