@@ -5,7 +5,6 @@ works as well as `llmq-gateway`."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -163,11 +162,10 @@ def create_app(settings: GatewaySettings | None = None, *, client: AsyncClient |
             yield
         finally:
             driver.cancel()  # lets go of its batches' leases, so another gateway takes them over at once
-            with contextlib.suppress(asyncio.CancelledError):
-                await driver
-            await store_redis.aclose()
+            await _within(asyncio.wait({driver}), "the batch driver", log)
+            await _within(store_redis.aclose(), "the batch store's connections", log)
             if client is None:
-                await queue_client.aclose()
+                await _within(queue_client.aclose(), "the queue client", log)
 
     routes = frozenset(route.path for route in ROUTES if "{" not in route.path)
     return Starlette(
@@ -181,6 +179,17 @@ def create_app(settings: GatewaySettings | None = None, *, client: AsyncClient |
         exception_handlers={HTTPException: _http_error},
         lifespan=lifespan,
     )
+
+
+STOP_STEP_S = 5.0  # each step of the lifespan's stop: however a step hangs, the gateway exits
+
+
+async def _within(step: Any, what: str, log: Any) -> None:
+    """Awaits one step of the stop, at most `STOP_STEP_S`: a step that hangs is logged and left behind."""
+    try:
+        await asyncio.wait_for(step, STOP_STEP_S)
+    except TimeoutError:
+        log.error("gateway_stop_step_timed_out", step=what, timeout_s=STOP_STEP_S)
 
 
 async def _write_tenants(redis: Any, settings: GatewaySettings, log: Any) -> None:
