@@ -12,6 +12,8 @@ Six runs, each on a Redis of its own and two fresh workers:
   fleet (fair share is work-conserving): `a_throughput_ratio`, beside idle B / alone.
 - `3:1`: A (weight 3) and B (weight 1) both flood; the token share A's requests got among those that started
   while both had work waiting, against 3/4, is `share_error`.
+Tenants share slots, not steps: without preemption between them, a request of B waits for one of A's to end, up
+to one request's running time (`a_running_ms_p50`); `b_wait_p99_over_a_running` is B's P99 wait over it.
 Usage (`llmq usage`) is compared with what the clients saw in every run (`usage_exact`), and `lost` counts the
 requests that got no answer. Ends with one JSON line.
 """
@@ -67,6 +69,10 @@ class Run:
 
     def waits_ms(self, tenant: str) -> list[float]:
         return [result.timings.queue_ms or 0.0 for _, result in self.answers.get(tenant, [])]
+
+    def running_ms(self, tenant: str) -> list[float]:
+        """Each request's time from its start to its end: how long a slot it holds stays taken."""
+        return [(r.timings.total_ms or 0.0) - (r.timings.queue_ms or 0.0) for _, r in self.answers.get(tenant, [])]
 
     def tokens_per_s(self, tenant: str) -> float:
         return sum(r.usage.completion_tokens for _, r in self.answers.get(tenant, [])) / self.seconds
@@ -186,6 +192,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     fifo = runs["one tenant"][0].waits_ms("b")
     share = share_while_both_wait(runs["3:1"][0], "a")
     print(f"3:1: A's token share while both waited {share:.3f} (weights: 0.750)")
+    # Without preemption between tenants, B waits for a slot to free: up to one of A's requests' running time.
+    a_running = percentile(runs["a floods"][0].running_ms("a"), 0.5)
+    over = percentile(flooded, 0.99) / max(1.0, a_running)
+    print(f"a's requests ran {a_running:.0f} ms each (P50): B's P99 wait behind the flood is {over:.2f} of that")
     return {
         "step_ms": args.step_ms,
         "affinity_wait_ms": args.affinity_wait_ms,
@@ -199,6 +209,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "b_wait_p50_ms_one_tenant": round(percentile(fifo, 0.5), 1),
         "b_wait_p99_ms_one_tenant": round(percentile(fifo, 0.99), 1),
         "b_wait_p99_ratio_one_tenant": round(percentile(flooded, 0.99) / max(1.0, percentile(fifo, 0.99)), 3),
+        "a_running_ms_p50": round(a_running, 1),
+        "b_wait_p99_over_a_running": round(over, 3),
         "a_share_3to1": round(share, 3),
         "share_error": round(abs(share - 0.75), 3),
         "a_tok_s_alone": round(runs["a alone"][0].tokens_per_s("a")),
