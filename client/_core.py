@@ -579,18 +579,28 @@ class BaseClient:
             raise
 
     def check_submitted(self, outcomes: list[SubmitOutcome], keys: Keys, lane: str, tenant: str | None) -> None:
-        refused = next((o for o in (SubmitOutcome.FULL, SubmitOutcome.TENANT_FULL) if o in outcomes), None)
+        refusals = (SubmitOutcome.FULL, SubmitOutcome.TENANT_FULL, SubmitOutcome.TENANT_TOO_LARGE)
+        refused = next((outcome for outcome in refusals if outcome in outcomes), None)
         outcome = refused if refused is not None else max(outcomes)  # ADDED when any was
-        reason = {SubmitOutcome.FULL: "the lane is full (QueueFull)", SubmitOutcome.TENANT_FULL: "TenantQuotaExceeded"}
+        reason = {
+            SubmitOutcome.FULL: "the lane is full (QueueFull)",
+            SubmitOutcome.TENANT_FULL: "TenantQuotaExceeded",
+            SubmitOutcome.TENANT_TOO_LARGE: "larger than the tenant's queued quota (InvalidRequest)",
+        }
         tracing.end_submit(outcome.name.lower(), error=reason.get(outcome))
         where = f"lane {lane!r} of queue {keys.queue!r}"
         if self.partitions > 1:
             where += f", partition {keys.partition} of {self.partitions},"
+        owner = self.tenant if tenant is None else tenant
+        calls = f"{len(outcomes)} more requests" if len(outcomes) > 1 else "another request"
+        if refused is SubmitOutcome.TENANT_TOO_LARGE:  # no retry helps: not a QueueFull
+            raise InvalidRequest(
+                f"this call passes tenant {owner!r}'s queued quota (max queued requests or tokens) in {where} even "
+                "with nothing else queued: ask for fewer choices or tokens, or a larger quota"
+            )
         if refused is SubmitOutcome.TENANT_FULL:
-            owner = self.tenant if tenant is None else tenant
-            more = f"{len(outcomes)} more requests" if len(outcomes) > 1 else "another request"
             raise TenantQuotaExceeded(
-                f"tenant {owner!r} has no room for {more} in {where}: its queued requests or tokens are at its quota",
+                f"tenant {owner!r} has no room for {calls} in {where}: its queued requests or tokens are at its quota",
                 owner,
             )
         if refused is None:

@@ -81,6 +81,7 @@ class SubmitOutcome(IntEnum):
     ADDED = 1
     FULL = -1  # the lane's backlog is at its limit: nothing added, not even the idempotency marker
     TENANT_FULL = -2  # the tenant's queued requests or tokens are at its quota (`Keys.tenant_limits`): nothing added
+    TENANT_TOO_LARGE = -3  # the call alone passes the tenant's queued quota: nothing added, and no retry helps
 
 
 class PublishOutcome(IntEnum):
@@ -213,7 +214,8 @@ class Submit(LuaScript):
     the tenants' limits and counts, then each request's idempotency marker. ARGV: the lane's limit (0 = none), the
     result TTL, the client id, the trace context (`TRACE_FIELD`, b"" for none), the tenant (b"" for none), then
     per request its entry, its affinity key (`AFFINITY_FIELD`, b"" for none) and its estimated cost in tokens.
-    Reply: a `SubmitOutcome` per request (all FULL, all TENANT_FULL, or each ADDED or DUPLICATE)."""
+    Reply: a `SubmitOutcome` per request (all FULL, all TENANT_FULL, all TENANT_TOO_LARGE, or each ADDED or
+    DUPLICATE)."""
 
     name = "submit"
 

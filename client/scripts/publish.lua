@@ -20,7 +20,7 @@ local function count_field(tenant, what)  -- a field of `Keys.tenant_counts`
   return tenant .. '|' .. what
 end
 
-local function count_usage(hash, usage, entry)
+local function count_usage(hash, usage, stream, entry)
   local parts = {}
   for part in string.gmatch(usage, '[^|]+') do
     parts[#parts + 1] = part
@@ -35,7 +35,7 @@ local function count_usage(hash, usage, entry)
     redis.call('HINCRBY', hash, tenant .. '|' .. name, parts[4 + i])
   end
   redis.call('EXPIRE', hash, parts[1])
-  if entry ~= '' and redis.call('ZREM', KEYS[2], tenant .. '\0' .. entry) == 1 then
+  if entry ~= '' and redis.call('ZREM', KEYS[2], tenant .. '\0' .. stream .. '\0' .. entry) == 1 then
     if redis.call('HINCRBY', KEYS[1], count_field(tenant, ${COUNT_RUNNING}), -1) <= 0 then
       redis.call('HDEL', KEYS[1], count_field(tenant, ${COUNT_RUNNING}))
     end
@@ -74,7 +74,7 @@ local function publish(stream, result, fence, reply, usage_hash, attempt, ttl, e
       redis.call('XADD', reply, 'MAXLEN', '~', ARGV[2], '*', ${ENTRY_FIELD}, completion)
     end
     if usage ~= '' then
-      count_usage(usage_hash, usage, entry)
+      count_usage(usage_hash, usage, stream, entry)
     end
   end
   if entry ~= '' then

@@ -173,14 +173,16 @@ for _, member in ipairs(redis.call('ZRANGEBYSCORE', running, '-inf', now, 'LIMIT
   add(string.match(member, '^[^%z]*'), ${COUNT_RUNNING}, -1)
 end
 
--- The tenant whose oldest held entry runs next, and its virtual time. Without quotas, the least virtual time.
+-- The tenant whose oldest held entry runs next, its virtual time, and whether it was chosen by virtual time (not
+-- for its reserved rate, nor as overflow: the lane's clock follows only those). Without quotas, the least virtual
+-- time.
 -- With them, a tenant at its running quota waits; one within its rate (reserved capacity) goes first, the least
 -- virtual time of those; then tenants without a rate; then those past their rate (overflow: only while no one
 -- else waits).
 local function pick(fair)
   if not limited then
     local first = redis.call('ZRANGE', fair, 0, 0, 'WITHSCORES')
-    return first[1], tonumber(first[2])
+    return first[1], tonumber(first[2]), true
   end
   local tenants = redis.call('ZRANGE', fair, 0, -1, 'WITHSCORES')
   local shared, overflow
@@ -192,7 +194,7 @@ local function pick(fair)
       if rate == 0 then
         shared = shared or i
       elseif bucket(tenant, rate) >= 1 then
-        return tenant, tonumber(tenants[i + 1])
+        return tenant, tonumber(tenants[i + 1]), false
       else
         overflow = overflow or i
       end
@@ -200,9 +202,9 @@ local function pick(fair)
   end
   local chosen = shared or overflow
   if chosen then
-    return tenants[chosen], tonumber(tenants[chosen + 1])
+    return tenants[chosen], tonumber(tenants[chosen + 1]), chosen == shared
   end
-  return nil, nil
+  return nil, nil, false
 end
 
 -- Fair share between tenants: moves up to `count` held entries of `lane` to its stream, each time the oldest of
@@ -215,7 +217,7 @@ local function promote(lane, count)
   local held, order, fair, idle = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
   local moved = 0
   while moved < count do
-    local tenant, vtime = pick(fair)
+    local tenant, vtime, in_order = pick(fair)
     if not tenant then
       break
     end
@@ -228,17 +230,21 @@ local function promote(lane, count)
         local moved_id = redis.call('XADD', KEYS[lane], '*', unpack(entry[2]))
         redis.call('XDEL', held, id)
         local weight = tonumber(redis.call('HGET', weights, tenant)) or 1
-        local cost = math.max(tonumber(field(entry[2], ${COST_FIELD})) or 1, 1)
+        local estimate = tonumber(field(entry[2], ${COST_FIELD})) or 0  -- as `submit.lua` counted it
+        local cost = math.max(estimate, 1)
         local owed = tonumber(redis.call('HGET', tallies, count_field(tenant, ${COUNT_REFUND}))) or 0
         local refund = math.min(owed, cost - 1)
         if refund > 0 then
           add(tenant, ${COUNT_REFUND}, -refund)
         end
-        redis.call('HSET', idle, '', vtime)
+        if in_order then  -- a reserved move ahead of its turn must not push the clock past those waiting theirs
+          redis.call('HSET', idle, '', vtime)
+        end
         vtime = vtime + (cost - refund) / (weight > 0 and weight or 1)
         add(tenant, ${COUNT_QUEUED}, -1)
-        add(tenant, ${COUNT_QUEUED_TOKENS}, -cost)
-        redis.call('ZADD', running, now + ${TENANT_RUNNING_TTL_MS}, tenant .. '\0' .. moved_id)
+        add(tenant, ${COUNT_QUEUED_TOKENS}, -estimate)
+        -- "tenant\0stream\0id": ids are unique per stream only, and two lanes may give the same one
+        redis.call('ZADD', running, now + ${TENANT_RUNNING_TTL_MS}, tenant .. '\0' .. KEYS[lane] .. '\0' .. moved_id)
         add(tenant, ${COUNT_RUNNING}, 1)
         local _, rate = quota(tenant)
         if rate > 0 then

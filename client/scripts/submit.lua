@@ -6,7 +6,8 @@
 -- entry, its affinity key (`AFFINITY_FIELD`, '' = none: a field a worker that predates it ignores too) and its
 -- estimated cost in tokens. Answers, per request, ADDED or DUPLICATE (submitted before: nothing added); or FULL for
 -- every one when the backlog has no room for the new ones, TENANT_FULL for every one when they would take the
--- tenant past its queued quota (nothing added then, not even a marker). Added in one call, a call's requests enter
+-- tenant past its queued quota, TENANT_TOO_LARGE when they would pass it with nothing queued (nothing added then,
+-- not even a marker). Added in one call, a call's requests enter
 -- the stream together, so the worker that reads first takes them all and computes their shared prompt once.
 -- Workers XDEL finished requests, so XLEN of the stream and of the held stream is the lane's backlog.
 --
@@ -31,30 +32,37 @@ for i = markers + 1, #KEYS do
     new[#new + 1] = i - markers
   end
 end
-local limit, tenant = tonumber(ARGV[1]), ARGV[5]
-if #new > 0 and limit > 0 and redis.call('XLEN', stream) + redis.call('XLEN', held) + #new > limit then
+local function all(outcome)
   for i = 1, #answers do
-    answers[i] = ${SUBMIT_FULL}
+    answers[i] = outcome
   end
   return answers
+end
+local limit, tenant = tonumber(ARGV[1]), ARGV[5]
+if #new > 0 and limit > 0 and redis.call('XLEN', stream) + redis.call('XLEN', held) + #new > limit then
+  return all(${SUBMIT_FULL})
 end
 local hold = tenant ~= '' and redis.call('EXISTS', readers) == 1
 if hold and #new > 0 then
   local tokens = 0
-  for _, i in ipairs(new) do
-    tokens = tokens + (tonumber(ARGV[3 * i + 5]) or 0)
+  for _, i in ipairs(new) do  -- checked before any write: a count once wrong would stay wrong
+    local cost = tonumber(ARGV[3 * i + 5])
+    if not cost or cost < 0 or cost > 9007199254740992 or cost ~= math.floor(cost) then
+      return redis.error_reply('ERR a cost must be a whole number of tokens in [0, 2^53]')
+    end
+    tokens = tokens + cost
   end
   local max_queued, max_tokens = string.match(redis.call('HGET', limits, tenant) or '', '^(%d+) (%d+)')
   if max_queued then
     local queued_field, tokens_field = count_field(tenant, ${COUNT_QUEUED}), count_field(tenant, ${COUNT_QUEUED_TOKENS})
     local queued = redis.call('HMGET', counts, queued_field, tokens_field)
     max_queued, max_tokens = tonumber(max_queued), tonumber(max_tokens)
+    if (max_queued > 0 and #new > max_queued) or (max_tokens > 0 and tokens > max_tokens) then
+      return all(${SUBMIT_TENANT_TOO_LARGE})  -- would not fit with nothing queued: no retry helps
+    end
     if (max_queued > 0 and (tonumber(queued[1]) or 0) + #new > max_queued)
         or (max_tokens > 0 and (tonumber(queued[2]) or 0) + tokens > max_tokens) then
-      for i = 1, #answers do
-        answers[i] = ${SUBMIT_TENANT_FULL}
-      end
-      return answers
+      return all(${SUBMIT_TENANT_FULL})
     end
   end
   redis.call('HINCRBY', counts, count_field(tenant, ${COUNT_QUEUED}), #new)
@@ -65,6 +73,7 @@ if hold and #new > 0 and not redis.call('ZSCORE', fair, tenant) then
   local own = tonumber(redis.call('HGET', idle, tenant) or 0)
   redis.call('ZADD', fair, math.max(clock, own), tenant)
   redis.call('HDEL', idle, tenant)
+  redis.call('HDEL', counts, count_field(tenant, ${COUNT_REFUND}))  -- no credit banked while away
 end
 for _, i in ipairs(new) do
   redis.call('SET', KEYS[markers + i], 1, 'EX', ARGV[2])

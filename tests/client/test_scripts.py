@@ -51,6 +51,8 @@ REDIS_WORDS = {
     *("[^|]+", "|", "HINCRBY"),
     # ... and quotas': a tenant's limits (`TenantLimits.pack`) and its running requests ("tenant\0entry id")
     *("^(%d+) (%d+)", "^(%d+) (%d+) (%d+) (%d+)", "^[^%z]*", "HINCRBYFLOAT", "HEXISTS"),
+    # ... and a cost refused before any write (a message, not a code)
+    "ERR a cost must be a whole number of tokens in [0, 2^53]",
 }
 
 
@@ -96,7 +98,7 @@ def test_rendered_constants_are_pythons_values() -> None:
     assert f"'{Fence.PREEMPTED}', 1)" in hand_back and f"reason == {int(HandBackReason.PREEMPTION)} then" in hand_back
     assert f"'HMGET', fence, '{Fence.ATTEMPT}', '{Fence.WRITTEN}')" in publish
     assert f"{PUBLISH_KEYS_PER_EVENT}, {PUBLISH_ARGS_PER_EVENT}, {PUBLISH_HEADER_ARGS}" in publish
-    assert f"answers[i] = {int(SubmitOutcome.FULL)}" in scripts.source("submit")
+    assert f"return all({int(SubmitOutcome.FULL)})" in scripts.source("submit")
 
 
 @dataclass(frozen=True)

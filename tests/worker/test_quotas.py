@@ -15,7 +15,7 @@ from typing import NamedTuple
 import pytest
 import redis.asyncio as aioredis
 
-from client import AsyncClient, QueueFull, TenantQuotaExceeded
+from client import AsyncClient, InvalidRequest, QueueFull, TenantQuotaExceeded
 from client.cli.app import main
 from client.protocol import COST_FIELD, ENTRY_FIELD, TENANT_FIELD, RequestLimits, decode_request
 from client.scripts import PublishItem, Routing, Scripts, pack_usage
@@ -116,10 +116,64 @@ async def test_the_queued_quotas_refuse_that_tenant_only(
 
 
 async def test_a_call_of_n_choices_is_refused_whole(conn: aioredis.Redis, lib: Scripts, client: AsyncClient) -> None:
-    await limit(conn, "a", max_queued=2)
-    with pytest.raises(TenantQuotaExceeded, match="3 more requests"):
+    await limit(conn, "a", max_queued=3)
+    await submit(client, "a", 2)
+    with pytest.raises(TenantQuotaExceeded, match="2 more requests"):
+        await client.submit(input_ids=[5], max_new_tokens=4, n=2, seed=1, tenant="a")
+    assert await conn.xlen(KEYS.held("default")) == 2
+
+
+async def test_a_call_no_retry_can_fit_is_an_invalid_request_not_a_full_queue(
+    conn: aioredis.Redis, lib: Scripts, client: AsyncClient
+) -> None:
+    """Past the quota with nothing queued: `submit_many` and the gateway would retry a `QueueFull` forever."""
+    await limit(conn, "a", max_queued=2, max_queued_tokens=100)
+    with pytest.raises(InvalidRequest, match="even with nothing else queued") as refused:
         await client.submit(input_ids=[5], max_new_tokens=4, n=3, seed=1, tenant="a")
-    assert await conn.xlen(KEYS.held("default")) == 0
+    assert not isinstance(refused.value, QueueFull)
+    with pytest.raises(InvalidRequest, match="'a'"):
+        await client.submit(input_ids=[5] * 6, max_new_tokens=95, tenant="a")  # 101 tokens alone
+    assert await conn.xlen(KEYS.held("default")) == 0 and await conn.hlen(KEYS.tenant_counts) == 0
+
+
+async def test_running_counts_of_two_lanes_are_apart_though_their_ids_agree(
+    conn: aioredis.Redis, lib: Scripts, client: AsyncClient
+) -> None:
+    """Each lane's stream makes its own ids: two moved in one call can both be "<ms>-0"."""
+    for lane in ("interactive", "batch"):
+        await client.submit(input_ids=[5] * 6, max_new_tokens=10, tenant="a", priority=lane, request_id=f"a-{lane}")
+    reply = await lib.read.run(KEYS, "w", 2, [("interactive", 1), ("batch", 1)], ["interactive", "batch"], PLAIN)
+    assert len(reply.entries) == 2 and await running(conn, "a") == 2
+    assert await conn.zcard(KEYS.tenant_running) == 2
+    for entry in reply.entries:
+        request_id = decode_request(entry.fields[ENTRY_FIELD]).id
+        target = Target(request_id, 60, None, entry.entry_id, lane=entry.lane, tenant="a", cost=COST)
+        usage = pack_usage(3600, "a", "stop", COST, 6, 10, 0, 0)
+        item = PublishItem(target, b"done", 0, 1, ack=entry.entry_id, usage=usage)
+        await lib.publish.run(conn, KEYS, [item], 10)
+    assert await running(conn, "a") == 0 and await conn.zcard(KEYS.tenant_running) == 0
+
+
+async def test_a_reserved_move_does_not_push_the_clock_past_those_waiting(
+    conn: aioredis.Redis, lib: Scripts, client: AsyncClient
+) -> None:
+    """A tenant served ahead of its turn for its rate leaves the lane's clock where fair order has it: a tenant
+    that joins later is not queued behind the reserved tenant's lead."""
+    await limit(conn, "r", tokens_per_minute=10 * COST)
+    await submit(client, "r", 10)
+    await submit(client, "a", 10)
+    assert tenants(await take(lib, 10)) == ["r"] * 10  # within its rate: all ten first
+    await submit(client, "late", 3)
+    assert sorted(tenants(await take(lib, 2))) == ["a", "late"]  # late starts at a's clock, not at r's lead
+
+
+async def test_a_tenant_banks_no_refund_while_away(conn: aioredis.Redis, lib: Scripts, client: AsyncClient) -> None:
+    await submit(client, "x", 1, new_tokens=58)
+    [taken] = await take(lib, 1)
+    await finish(lib, conn, taken, generated=2)  # 56 tokens owed back, but x has nothing waiting now
+    assert await conn.hget(KEYS.tenant_counts, "x|refund") == b"56"
+    await submit(client, "x", 1, start=1)
+    assert await conn.hget(KEYS.tenant_counts, "x|refund") is None  # rejoins at the clock, with no credit
 
 
 async def test_the_running_quota_holds_a_tenant_back_until_its_requests_finish(
@@ -148,7 +202,7 @@ async def test_a_running_count_lapses_when_its_final_event_never_comes(
     await submit(client, "a", 2)
     [lost] = await take(lib, 2)
     assert await take(lib, 1) == []  # at its quota
-    member = b"a\0" + lost.entry_id
+    member = b"a\0" + KEYS.lane("default").encode() + b"\0" + lost.entry_id
     assert await conn.zscore(KEYS.tenant_running, member) > time.time() * 1000 + 3_000_000  # an hour ahead
     await conn.zadd(KEYS.tenant_running, {member: 1})  # as if that hour had passed
     assert tenants(await take(lib, 1)) == ["a"]

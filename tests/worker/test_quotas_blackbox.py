@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from client import AsyncClient, AsyncJob, Cancelled, QueueFull, TenantQuotaExceeded
+from client import AsyncClient, AsyncJob, Cancelled, InvalidRequest, QueueFull, TenantQuotaExceeded
 from client.admin import Admin
 from client.tenants import TenantInfo, TenantLimits, Tenants
 from client.usage import read_usage
@@ -239,13 +239,14 @@ async def test_max_queued_tokens_counts_prompt_bytes_over_four_plus_max_new_toke
 ) -> None:
     """docs/tenants.md: max queued tokens counts "each request's cost (prompt + `max_new_tokens`)", and "a text
     prompt counts one token per 4 UTF-8 bytes"; each of `n` choices is a request of its own (docs/client.md).
-    Quota 50: two choices of 30 are refused whole; 40 + 10 fill it exactly; 2 more are refused. Counting characters
-    instead of bytes (the 20 'é' are 40 bytes) would let the last one in."""
+    Quota 50: two choices of 30 are refused whole, as a call no retry can fit (`InvalidRequest`, not retried like
+    a `QueueFull`); 40 + 10 fill it exactly; 2 more are refused. Counting characters instead of bytes (the 20 'é'
+    are 40 bytes) would let the last one in."""
     await set_limits(redis_url, "tok", TenantLimits(max_queued_tokens=50))
     await prime(start_worker, redis)
-    with pytest.raises(TenantQuotaExceeded) as refused:
+    with pytest.raises(InvalidRequest, match="'tok'") as refused:
         await client.submit(input_ids=[7] * 5, max_new_tokens=25, n=2, seed=3, tenant="tok")  # 2 x 30 > 50
-    assert refused.value.tenant == "tok"
+    assert not isinstance(refused.value, QueueFull)
     assert sum((await tenants_now(redis_url))["tok"].held.values()) == 0
     wide = "é" * 20  # 20 characters, 40 UTF-8 bytes: 10 tokens
     jobs = [(await client.submit(prompt=wide, max_new_tokens=30, tenant="tok"), wide, 30)]  # 40
