@@ -113,6 +113,14 @@ async def start_worker(redis_url: str, model_dir: Path) -> AsyncIterator[Callabl
 
 
 @pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[Redis]:
+    """A plain asyncio connection to the session's Redis (modules that need another define their own)."""
+    connection = Redis.from_url(redis_url)
+    yield connection
+    await connection.aclose()
+
+
+@pytest.fixture
 async def client(redis_url: str) -> AsyncIterator[AsyncClient]:
     async with AsyncClient(redis_url) as client:
         yield client

@@ -25,8 +25,7 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -38,14 +37,21 @@ from client.protocol import ENTRY_FIELD, GenerateRequest, encode, ms_now
 from client.tenants import Tenants
 from testing.scripted_engine import expected_tokens
 from tests.polling import wait_until
+from tests.worker.tenant_support import (
+    LANE_NAMES,
+    READERS,
+    REPO,
+    RESULT_TIMEOUT_S,
+    TAG,
+    check,
+    llmq,
+    prime,
+    stop,
+    submit,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-TAG = "{llmq:default}"  # docs/tenants.md: "`{llmq:default}` for partition 0"
-LANE_NAMES = ("interactive", "default", "batch")
-READERS = f"{TAG}:held:readers"
 WEIGHTS = f"{TAG}:tenants:weights"
 TENANT_FIELD = b"o"  # CHANGELOG: "`o` (the tenant, `default` unless the client or the call names one)"
-RESULT_TIMEOUT_S = 60.0
 
 
 def lane_stream(lane: str, tag: str = TAG) -> str:
@@ -68,55 +74,11 @@ def fair(lane: str, tag: str = TAG) -> str:
 # --- helpers ---------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-async def redis(redis_url: str) -> AsyncIterator[Redis]:
-    connection = Redis.from_url(redis_url)
-    yield connection
-    await connection.aclose()
-
-
-async def stop(running: Any) -> None:
-    running.stop.set()
-    running.hurry.set()
-    await asyncio.wait_for(running.task, 30)
-
-
 async def kill(running: Any) -> None:
     """Cancels a worker's task until it is gone (a cancel landing inside a redis-py call may be swallowed)."""
     while not running.task.done():
         running.task.cancel()
         await asyncio.wait([running.task], timeout=1)
-
-
-async def prime(start_worker: Callable[..., Any], redis: Redis, name: str = "primer", **settings: Any) -> None:
-    """A worker of this release reads the queue, then stops: from now on (for about 30 s) clients hold requests
-    and nothing moves them until a worker starts again."""
-    primer = await start_worker(worker_id=name, **settings)
-    await wait_until(lambda: redis.exists(READERS), 10)
-    await stop(primer)
-    assert await redis.exists(READERS), "the readers mark went away with the worker"
-
-
-def text(tag: str, index: int, width: int = 40) -> str:
-    """A prompt of exactly `width` ASCII bytes (`width` / 4 tokens by the documented estimate), unique per
-    (tag, index) in its first characters so no two requests share a cache-affinity key."""
-    head = f"{tag}-{index:05d}:"
-    return (head + "x" * width)[:width]
-
-
-async def submit(
-    client: AsyncClient, tenant: str, index: int, tokens: int = 4, width: int = 40, **options: Any
-) -> tuple[AsyncJob, str, int]:
-    prompt = text(tenant, index, width)
-    job = await client.submit(prompt=prompt, max_new_tokens=tokens, tenant=tenant, **options)
-    assert isinstance(job, AsyncJob)
-    return job, prompt, tokens
-
-
-async def check(job: AsyncJob, prompt: str, tokens: int) -> Any:
-    result = await job.result(timeout=RESULT_TIMEOUT_S)
-    assert result.token_ids == expected_tokens(list(prompt.encode()), tokens), job.id
-    return result
 
 
 class Completions:
@@ -157,24 +119,6 @@ async def pending_total(redis: Redis, tag: str = TAG) -> int:
         with contextlib.suppress(Exception):  # a lane nobody created yet
             total += (await redis.xpending(lane_stream(lane, tag), "workers"))["pending"]
     return total
-
-
-async def llmq(url: str, *args: str) -> tuple[int, str, str]:
-    """`llmq --url URL ARGS...` as a subprocess (without blocking the workers' event loop)."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "client.cli",
-        "--url",
-        url,
-        *args,
-        cwd=REPO,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), 60)
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
 
 
 async def snapshot(redis: Redis) -> dict[bytes, tuple[bytes, int]]:

@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,59 +39,24 @@ from client.usage import read_usage
 from testing.scripted_engine import expected_tokens
 from tests.gateway.conftest import gateway  # noqa: F401 - the gateway fixture, shared with the gateway tests
 from tests.polling import wait_until
+from tests.worker.tenant_support import (
+    LANE_NAMES,
+    READERS,
+    REPO,
+    RESULT_TIMEOUT_S,
+    TAG,
+    check,
+    llmq,
+    prime,
+    stop,
+    submit,
+    text,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-TAG = "{llmq:default}"  # docs/tenants.md: "`{llmq:default}` for partition 0"
-READERS = f"{TAG}:held:readers"
-LANE_NAMES = ("interactive", "default", "batch")
-RESULT_TIMEOUT_S = 60.0
 MAX_LIMIT = 2**53
 
 
 # --- helpers ---------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def redis(redis_url: str) -> AsyncIterator[Redis]:
-    connection = Redis.from_url(redis_url)
-    yield connection
-    await connection.aclose()
-
-
-async def stop(running: Any) -> None:
-    running.stop.set()
-    running.hurry.set()
-    await asyncio.wait_for(running.task, 30)
-
-
-async def prime(start_worker: Callable[..., Any], redis: Redis, **settings: Any) -> None:
-    """A worker of this release reads the queue, then stops: clients now hold requests, and nothing moves them."""
-    primer = await start_worker(worker_id="primer", **settings)
-    await wait_until(lambda: redis.exists(READERS), 10)
-    await stop(primer)
-    assert await redis.exists(READERS)
-
-
-def text(tag: str, index: int, width: int = 40) -> str:
-    """A prompt of exactly `width` ASCII bytes (`width` / 4 tokens by the documented estimate), unique per index."""
-    head = f"{tag}-{index:05d}:"
-    return (head + "x" * width)[:width]
-
-
-async def submit(
-    client: AsyncClient, tenant: str, index: int, tokens: int = 4, width: int = 40, **options: Any
-) -> tuple[AsyncJob, str, int]:
-    prompt = text(tenant, index, width)
-    job = await client.submit(prompt=prompt, max_new_tokens=tokens, tenant=tenant, **options)
-    return job, prompt, tokens
-
-
-async def check(job: AsyncJob, prompt: str | list[int], tokens: int) -> Any:
-    """The whole answer, as the scripted engine scripts it (text prompts are their UTF-8 bytes)."""
-    result = await job.result(timeout=RESULT_TIMEOUT_S)
-    ids = list(prompt.encode()) if isinstance(prompt, str) else prompt
-    assert result.token_ids == expected_tokens(ids, tokens), job.id
-    return result
 
 
 def _with_tenants(url: str, partitions: int, work: Callable[[Tenants], Any]) -> Any:
@@ -109,24 +74,6 @@ async def set_limits(url: str, tenant: str, limits: TenantLimits, partitions: in
 async def tenants_now(url: str, partitions: int = 1) -> dict[str, TenantInfo]:
     listed = await asyncio.to_thread(_with_tenants, url, partitions, lambda t: t.listing())
     return {info.tenant: info for info in listed}
-
-
-async def llmq(url: str, *args: str) -> tuple[int, str, str]:
-    """`llmq --url URL ARGS...` as a subprocess (without blocking the workers' event loop)."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "client.cli",
-        "--url",
-        url,
-        *args,
-        cwd=REPO,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), 60)
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
 
 
 async def listed_json(url: str) -> dict[str, Any]:
