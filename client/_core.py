@@ -579,38 +579,40 @@ class BaseClient:
             raise
 
     def check_submitted(self, outcomes: list[SubmitOutcome], keys: Keys, lane: str, tenant: str | None) -> None:
-        refusals = (SubmitOutcome.FULL, SubmitOutcome.TENANT_FULL, SubmitOutcome.TENANT_TOO_LARGE)
-        refused = next((outcome for outcome in refusals if outcome in outcomes), None)
-        outcome = refused if refused is not None else max(outcomes)  # ADDED when any was
-        reason = {
-            SubmitOutcome.FULL: "the lane is full (QueueFull)",
-            SubmitOutcome.TENANT_FULL: "TenantQuotaExceeded",
-            SubmitOutcome.TENANT_TOO_LARGE: "larger than the tenant's queued quota (InvalidRequest)",
-        }
-        tracing.end_submit(outcome.name.lower(), error=reason.get(outcome))
+        refused = next((outcome for outcome in _REFUSALS if outcome in outcomes), None)
+        if refused is None:
+            tracing.end_submit(max(outcomes).name.lower())  # ADDED when any was
+            return
+        tracing.end_submit(refused.name.lower(), error=_REFUSALS[refused])
         where = f"lane {lane!r} of queue {keys.queue!r}"
         if self.partitions > 1:
             where += f", partition {keys.partition} of {self.partitions},"
         owner = self.tenant if tenant is None else tenant
-        calls = f"{len(outcomes)} more requests" if len(outcomes) > 1 else "another request"
         if refused is SubmitOutcome.TENANT_TOO_LARGE:  # no retry helps: not a QueueFull
             raise InvalidRequest(
                 f"this call passes tenant {owner!r}'s queued quota (max queued requests or tokens) in {where} even "
                 "with nothing else queued: ask for fewer choices or tokens, or a larger quota"
             )
         if refused is SubmitOutcome.TENANT_FULL:
+            calls = f"{len(outcomes)} more requests" if len(outcomes) > 1 else "another request"
             raise TenantQuotaExceeded(
                 f"tenant {owner!r} has no room for {calls} in {where}: its queued requests or tokens are at its quota",
                 owner,
             )
-        if refused is None:
-            return
         limit = f"{self.partition_limit} unfinished requests"
         if self.partitions > 1:
             limit += f" (its share of max_queue_len {self.max_queue_len})"
         if len(outcomes) > 1:
             raise QueueFull(f"{where} has no room for {len(outcomes)} more requests: it holds {limit} at most")
         raise QueueFull(f"{where} holds {limit}" + ("" if self.partitions > 1 else " (its limit)"))
+
+
+# The submit script's refusals (every request of the call gets the same one), with what the submit's span says.
+_REFUSALS = {
+    SubmitOutcome.FULL: "the lane is full (QueueFull)",
+    SubmitOutcome.TENANT_FULL: "TenantQuotaExceeded",
+    SubmitOutcome.TENANT_TOO_LARGE: "larger than the tenant's queued quota (InvalidRequest)",
+}
 
 
 class BaseJob:

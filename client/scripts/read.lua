@@ -175,10 +175,9 @@ end
 
 -- The tenant whose oldest held entry runs next, its virtual time, and whether it was chosen by virtual time (not
 -- for its reserved rate, nor as overflow: the lane's clock follows only those). Without quotas, the least virtual
--- time.
--- With them, a tenant at its running quota waits; one within its rate (reserved capacity) goes first, the least
--- virtual time of those; then tenants without a rate; then those past their rate (overflow: only while no one
--- else waits).
+-- time. With them, a tenant at its running quota waits; one within its rate (reserved capacity) goes first, the
+-- least virtual time of those; then tenants without a rate; then those past their rate (overflow: only while no
+-- one else waits).
 local function pick(fair)
   if not limited then
     local first = redis.call('ZRANGE', fair, 0, 0, 'WITHSCORES')
@@ -210,7 +209,7 @@ end
 -- Fair share between tenants: moves up to `count` held entries of `lane` to its stream, each time the oldest of
 -- the tenant `pick` chooses, whose virtual time then grows by the entry's cost (`COST_FIELD`, less what its finished
 -- requests did not use: their refund) over the tenant's weight; the lane's clock is the virtual time of the latest
--- move (a tenant that starts holding again starts there). Each move updates the tenant's quota state: queued down,
+-- move in fair order (a tenant that starts holding again starts there). Each move updates the tenant's quota state: queued down,
 -- running up (until the request's final event), its rate's bucket down by the cost. Returns how many moved.
 local function promote(lane, count)
   local base = lanes + 6 + 4 * (lane - 1)
