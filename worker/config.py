@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, DotEnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from client.protocol import DEFAULT_PREFIX, LimitSettings
@@ -151,6 +151,12 @@ class Settings(BaseSettings, LimitSettings):
         description="cache affinity: requests that may wait for a full worker that holds their prompt's start "
         "(it takes them first as slots free); more run wherever a slot is free",
     )
+    idle_tenant_slots: int = Field(
+        0,
+        ge=0,
+        description="free slots each worker keeps for tenants with nothing running (default and batch lanes): a quiet "
+        "tenant's request starts at once while another floods the fleet; a flooding tenant runs on the others",
+    )
     preemption: bool = Field(True, description="hand back lower-lane requests to start a waiting interactive one")
     max_preemptions: int = Field(3, ge=0, description="times one request may be preempted; then it runs to the end")
     max_buffered_events: int = Field(100_000, ge=1, description="events held while Redis is down; then intake pauses")
@@ -167,6 +173,15 @@ class Settings(BaseSettings, LimitSettings):
     metrics_address: str = Field("0.0.0.0", description="address the metrics endpoint listens on")
     log_format: Literal["console", "json"] = Field("console", description="console for people, json for machines")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="lowest level logged")
+
+    @model_validator(mode="after")
+    def _kept_slots_leave_room(self) -> Settings:
+        if self.idle_tenant_slots >= self.max_running:
+            raise ValueError(
+                f"idle_tenant_slots ({self.idle_tenant_slots}) must be below max_running ({self.max_running}): "
+                "a tenant with a request running could never start another"
+            )
+        return self
 
     @property
     def routing(self) -> Routing:

@@ -12,6 +12,7 @@ dead-letter.
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -350,8 +351,11 @@ class Intake:
         scripts: Scripts | None = None,
         wait_replicas: int = 0,
         routing: Routing | None = None,
+        keep: int = 0,
     ) -> None:
         self._redis = redis
+        self._keep = keep  # free slots kept for tenants with nothing running (`read.lua`)
+        self._wake: asyncio.Future[Any] | None = None  # a wait for the next entry that a freed slot cut short
         self._keys = keys
         self._routing = routing or Routing()
         self.routed: Counter[str] = Counter()  # cache affinity's moves, by outcome (`llmq:affinity_entries_total`)
@@ -371,16 +375,26 @@ class Intake:
                     raise
 
     async def read(
-        self, free: int, steps: list[tuple[Lane, int]], block_ms: int | None, *, report: bool = True
+        self,
+        free: int,
+        steps: list[tuple[Lane, int]],
+        block_ms: int | None,
+        *,
+        report: bool = True,
+        freed: asyncio.Event | None = None,
     ) -> list[Decision]:
         """New entries, at most `free` (the engine's free slots), taken lane by lane as `steps` (lane, wanted)
-        say; when there are none, waits at most `block_ms` (None: not at all) for the next entry of any lane
-        and returns none. A read that will not wait names only the lanes of its steps, so the script looks at no
-        other stream. `report`: `free` is this worker's room, which cache affinity hears (not so for a full
-        worker's look for an interactive request)."""
+        say; when there are none, waits at most `block_ms` (None: not at all) for the next entry of any lane, or
+        until `freed` is set, and returns none. A read that will not wait names only the lanes of its steps, so the
+        script looks at no other stream. `report`: `free` is this worker's room, which cache affinity hears and
+        whose last `keep` slots only tenants with nothing running take (not so for a full worker's look for an
+        interactive request)."""
         asked = {lane for lane, _ in steps}
         lanes = [lane for lane in self._keys.lanes if block_ms is not None or lane in asked]
-        reply = await self._scripts.read.run(self._keys, self._consumer, free, steps, lanes, self._routing, report)
+        keep = self._keep if report else 0
+        reply = await self._scripts.read.run(
+            self._keys, self._consumer, free, steps, lanes, self._routing, report, keep
+        )
         self.routed.update(assigned=reply.assigned, taken=reply.taken, stolen=reply.stolen, overflow=reply.overflow)
         if reply.entries:
             return [
@@ -391,8 +405,27 @@ class Intake:
             if reply.retry_ms is not None:  # an entry assigned to another worker is ours to take then
                 block_ms = max(1, min(block_ms, reply.retry_ms))
             streams: dict[KeyT, StreamIdT] = {stream: newest for stream, newest in reply.last.items()}
-            await self._redis.xread(streams, count=1, block=block_ms)  # only a wake-up: the next call reads
+            await self._wait(streams, block_ms, freed)
         return []
+
+    async def _wait(self, streams: dict[KeyT, StreamIdT], block_ms: int, freed: asyncio.Event | None) -> None:
+        """An XREAD BLOCK from `streams`' newest ids, only a wake-up (the next read takes what came), for at most
+        `block_ms`, or until `freed` is set: a worker whose free slots are all kept for quiet tenants reads again as
+        soon as one of its runs ends. A wait that `freed` cut short serves the next one: still blocked, it means
+        nothing was added since, so its ids are as good as new ones."""
+        if freed is None:
+            await self._redis.xread(streams, count=1, block=block_ms)
+            return
+        if self._wake is None:
+            self._wake = asyncio.ensure_future(self._redis.xread(streams, count=1, block=block_ms))
+        slot = asyncio.ensure_future(freed.wait())
+        try:
+            await asyncio.wait({self._wake, slot}, timeout=block_ms / 1000, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            slot.cancel()
+        if self._wake.done():
+            wake, self._wake = self._wake, None
+            wake.result()  # a Redis failure reaches the caller, as a plain wait's would
 
     async def report_full(self) -> None:
         """Tells cache affinity this worker has no free slot (`read.lua`'s report, for a worker that reads nothing
@@ -402,6 +435,9 @@ class Intake:
 
     async def leave(self) -> None:
         """Takes this worker out of cache affinity (it stops or drains): nothing more is assigned to it."""
+        if self._wake is not None:
+            self._wake.cancel()
+            self._wake = None
         await self._redis.hdel(self._keys.affinity_workers, self._consumer)
 
     def decide_claimed(self, lane: Lane, claimed: list[Claimed]) -> tuple[list[Decision], dict[bytes, int]]:

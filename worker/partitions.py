@@ -40,6 +40,7 @@ def open_partitions(redis: Redis, settings: Settings, scripts: Scripts) -> list[
             scripts,
             wait_replicas=settings.redis_wait_replicas,
             routing=settings.routing,
+            keep=settings.idle_tenant_slots,
         )
         leases = {
             lane: Leases(redis, keys, settings.worker_id, settings.lease_timeout_s, scripts, lane) for lane in LANES

@@ -157,8 +157,8 @@ class Worker:
 
     async def _leave_affinity(self) -> None:
         """Stopping: nothing more is assigned to this worker; what was is taken by others after the wait."""
-        with contextlib.suppress(*REDIS_FAILURES):
-            for partition in self.partitions.all:
+        for partition in self.partitions.all:
+            with contextlib.suppress(*REDIS_FAILURES):
                 await partition.intake.leave()
 
     async def _ensure_groups(self) -> None:
@@ -178,6 +178,7 @@ class Worker:
     async def _read_until(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             reraise_lost_cancellation()  # a worker embedded in a program is stopped by cancelling its task, too
+            self.runs.freed.clear()  # before looking: a run that ends from here on wakes the waits below
             free = self.free_slots()
             if free == 0:
                 await self._report_full()
@@ -189,7 +190,6 @@ class Worker:
                     await asyncio.sleep(jittered(READ_RETRY_S))
                 continue
             if free == 0:  # read nothing an idle worker could run sooner
-                self.runs.freed.clear()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self.settings.read_block_ms / 1000):
                         await self.runs.freed.wait()
@@ -212,9 +212,12 @@ class Worker:
         a wait on the round's last partition for the read block shared out over the partitions, so a request on
         any partition waits at most that share before an idle worker reads it."""
         order = self.partitions.rotation()
+        # With only kept slots free, what waits may be a busy tenant's, for which a run's end makes room.
+        freed = self.runs.freed if free <= self.settings.idle_tenant_slots else None
         if len(order) == 1:
             steps = read_steps(free, self.runs.by_lane(), self._reserved)
-            await self._admit(order[0], await order[0].intake.read(free, steps, self.settings.read_block_ms))
+            decisions = await order[0].intake.read(free, steps, self.settings.read_block_ms, freed=freed)
+            await self._admit(order[0], decisions)
             return
         found, drained = False, set()  # (partition, lane) pairs that gave less than asked: empty for this round
         for lane, wanted in read_steps(free, self.runs.by_lane(), self._reserved):
@@ -233,7 +236,7 @@ class Worker:
         if not found and free > 0:
             steps = read_steps(free, self.runs.by_lane(), self._reserved)
             block_ms = max(1, self.settings.read_block_ms // len(order))
-            await self._admit(order[-1], await order[-1].intake.read(free, steps, block_ms))
+            await self._admit(order[-1], await order[-1].intake.read(free, steps, block_ms, freed=freed))
 
     async def _claim(self, free: int) -> int:
         """Resumes requests this worker preempted and takes over those whose worker died (idle past the lease)

@@ -331,13 +331,16 @@ class Routing:
 
 
 ROUTED_LANES: frozenset[Lane] = frozenset({"default", "batch"})  # an interactive request is never held back
+# Lanes whose reads leave a worker's kept slots to tenants with nothing running; an interactive request takes any
+# free slot (it could preempt for one anyway).
+KEEPING_LANES: frozenset[Lane] = frozenset({"default", "batch"})
 
 
 class Read(LuaScript):
     """KEYS: the lanes' request streams, then the queue partition's affinity keys (`Keys.affinity`), then its
     fair-share keys for those lanes (`Keys.fairness`). ARGV: group,
     consumer, free, wait ms, live ms, hold ms, queue, whether to report the free slots left, the number of lanes
-    and their names, then triples of (1-based lane index, wanted, routed). Reply: `ReadReply`."""
+    and their names, then quadruples of (1-based lane index, wanted, routed, kept slots). Reply: `ReadReply`."""
 
     name = "read"
 
@@ -363,14 +366,16 @@ class Read(LuaScript):
         lanes: Sequence[Lane] = LANES,
         routing: Routing = Routing(),
         report: bool = True,
+        keep: int = 0,
     ) -> ReadReply:
         """At most `free` new entries of `lanes`, taken as `steps` (lane, wanted) say, routed by `routing`; with
-        `report`, the free slots left are this worker's room for cache affinity."""
+        `report`, the free slots left (less the kept ones) are this worker's room for cache affinity. The last `keep`
+        free slots go only to tenants with nothing running, on the `KEEPING_LANES`."""
         args: list[Any] = [CONSUMER_GROUP, consumer, free, routing.wait_ms, routing.live_ms, routing.hold_ms]
         args.append(routing.queue)
         args += [int(report), len(lanes), *lanes]
         for lane, wanted in steps:
-            args += [lanes.index(lane) + 1, wanted, int(lane in ROUTED_LANES)]
+            args += [lanes.index(lane) + 1, wanted, int(lane in ROUTED_LANES), keep if lane in KEEPING_LANES else 0]
         streams = [keys.lane(lane) for lane in lanes]
         reply = await self.registered(keys=[*streams, *keys.affinity, *keys.fairness(lanes)], args=args)
         return self.parse(keys, lanes, reply)

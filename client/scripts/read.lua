@@ -18,7 +18,8 @@
 -- ms (0: route nothing), live ms (how recent a report makes a worker live), hold ms (how long an unused key keeps
 -- its holder), queue (entries that may wait for a full holder), 1 to report the free slots left (0: `free` is not
 -- this worker's room, say a full worker's look for one interactive request), the number of lanes, their names,
--- then triples of (1-based lane index, wanted, 1 if routed). Returns the entries read as {lane index, id,
+-- then quadruples of (1-based lane index, wanted, 1 if routed, kept: how many of the free slots only a tenant with
+-- nothing running may take on this lane; see `promote`). Returns the entries read as {lane index, id,
 -- fields}; when there were none, each lane's last entry id and the wake stream's (an XREAD BLOCK from those ids
 -- wakes on the next entry or assignment without missing one added meanwhile) and the ms until another worker's
 -- assignment may be taken (-1: none); and the counts {assigned to others, taken of this worker's, taken of
@@ -174,12 +175,12 @@ for _, member in ipairs(redis.call('ZRANGEBYSCORE', running, '-inf', now, 'LIMIT
 end
 
 -- The tenant whose oldest held entry runs next, its virtual time, and whether it was chosen by virtual time (not
--- for its reserved rate, nor as overflow: the lane's clock follows only those). Without quotas, the least virtual
--- time. With them, a tenant at its running quota waits; one within its rate (reserved capacity) goes first, the
--- least virtual time of those; then tenants without a rate; then those past their rate (overflow: only while no
--- one else waits).
-local function pick(fair)
-  if not limited then
+-- for its reserved rate, nor as overflow, nor for a kept slot: the lane's clock follows only those). Without quotas,
+-- the least virtual time. With them, a tenant at its running quota waits; one within its rate (reserved capacity)
+-- goes first, the least virtual time of those; then tenants without a rate; then those past their rate (overflow:
+-- only while no one else waits). For a kept slot (`idle_only`), only a tenant with nothing running may be chosen.
+local function pick(fair, idle_only)
+  if not limited and not idle_only then
     local first = redis.call('ZRANGE', fair, 0, 0, 'WITHSCORES')
     return first[1], tonumber(first[2]), true
   end
@@ -189,7 +190,7 @@ local function pick(fair)
     local tenant = tenants[i]
     local max_running, rate = quota(tenant)
     local busy = tonumber(redis.call('HGET', tallies, count_field(tenant, ${COUNT_RUNNING}))) or 0
-    if max_running == 0 or busy < max_running then
+    if (busy == 0 or not idle_only) and (max_running == 0 or busy < max_running) then
       if rate == 0 then
         shared = shared or i
       elseif bucket(tenant, rate) >= 1 then
@@ -201,7 +202,7 @@ local function pick(fair)
   end
   local chosen = shared or overflow
   if chosen then
-    return tenants[chosen], tonumber(tenants[chosen + 1]), chosen == shared
+    return tenants[chosen], tonumber(tenants[chosen + 1]), chosen == shared and not idle_only
   end
   return nil, nil, false
 end
@@ -210,13 +211,18 @@ end
 -- the tenant `pick` chooses, whose virtual time then grows by the entry's cost (`COST_FIELD`, less what its finished
 -- requests did not use: their refund) over the tenant's weight; the lane's clock is the virtual time of the latest
 -- move in fair order (a tenant that starts holding again starts there). Each move updates the tenant's quota state: queued down,
--- running up (until the request's final event), its rate's bucket down by the cost. Returns how many moved.
-local function promote(lane, count)
+-- running up (until the request's final event), its rate's bucket down by the cost. `room` is this worker's free
+-- slots: the last `keep` of them go only to tenants with nothing running (so a quiet tenant's request starts at once
+-- while another floods the fleet), and the entries moved for them are noted in `kept` (read here, never assigned
+-- away). Returns how many moved.
+local kept = {}
+local function promote(lane, count, room, keep)
   local base = lanes + 6 + 4 * (lane - 1)
   local held, order, fair, idle = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
   local moved = 0
   while moved < count do
-    local tenant, vtime, in_order = pick(fair)
+    local idle_only = room - moved <= keep
+    local tenant, vtime, in_order = pick(fair, idle_only)
     if not tenant then
       break
     end
@@ -228,6 +234,7 @@ local function promote(lane, count)
       if entry then
         local moved_id = redis.call('XADD', KEYS[lane], '*', unpack(entry[2]))
         redis.call('XDEL', held, id)
+        kept[moved_id] = idle_only or nil
         local weight = tonumber(redis.call('HGET', weights, tenant)) or 1
         local estimate = tonumber(field(entry[2], ${COST_FIELD})) or 0  -- as `submit.lua` counted it
         local cost = math.max(estimate, 1)
@@ -354,11 +361,16 @@ local function assign(lane, id, fields)
   return true
 end
 
-for i = 10 + lanes, #ARGV - 2, 3 do
-  local lane, routed = tonumber(ARGV[i]), tonumber(ARGV[i + 2]) == 1
+local most_kept = 0
+for i = 10 + lanes, #ARGV - 3, 4 do
+  local lane, routed, keep = tonumber(ARGV[i]), tonumber(ARGV[i + 2]) == 1, tonumber(ARGV[i + 3])
   local wanted = math.min(tonumber(ARGV[i + 1]), free)
+  most_kept = math.max(most_kept, keep)
+  local function open()  -- the slots any entry may take: not the kept ones
+    return math.min(wanted, math.max(free - keep, 0))
+  end
   if wanted > 0 and routed and wait > 0 then
-    local got = take_assigned(lane, wanted, mine_or_orphaned)
+    local got = take_assigned(lane, open(), mine_or_orphaned)
     wanted, free = wanted - got, free - got
   end
   -- Entries assigned away leave their slots free: read again, a bounded number of times (each assignment uses a
@@ -366,12 +378,15 @@ for i = 10 + lanes, #ARGV - 2, 3 do
   local rounds = 0
   while wanted > 0 and rounds < 8 do
     rounds = rounds + 1
-    local asked = wanted
-    local reply = redis.call('XREADGROUP', 'GROUP', group, me, 'COUNT', asked, 'STREAMS', KEYS[lane], '>')
-    local entries = reply and reply[1][2] or {}
+    local asked, entries = wanted, {}
+    if open() > 0 then
+      local reply = redis.call('XREADGROUP', 'GROUP', group, me, 'COUNT', open(), 'STREAMS', KEYS[lane], '>')
+      entries = reply and reply[1][2] or {}
+    end
     -- Held entries move to the stream only as it runs dry, so the fair order decides what runs next.
-    if #entries < asked and promote(lane, asked - #entries) > 0 then
-      local more = redis.call('XREADGROUP', 'GROUP', group, me, 'COUNT', asked - #entries, 'STREAMS', KEYS[lane], '>')
+    local promoted = #entries < asked and promote(lane, asked - #entries, free - #entries, keep) or 0
+    if promoted > 0 then
+      local more = redis.call('XREADGROUP', 'GROUP', group, me, 'COUNT', promoted, 'STREAMS', KEYS[lane], '>')
       for _, entry in ipairs(more and more[1][2] or {}) do
         entries[#entries + 1] = entry
       end
@@ -380,7 +395,7 @@ for i = 10 + lanes, #ARGV - 2, 3 do
       break
     end
     for _, entry in ipairs(entries) do
-      if not (routed and wait > 0 and assign(lane, entry[1], entry[2])) then
+      if not (routed and wait > 0 and not kept[entry[1]] and assign(lane, entry[1], entry[2])) then
         read[#read + 1] = {lane, entry[1], entry[2]}
         wanted, free = wanted - 1, free - 1
       end
@@ -391,13 +406,13 @@ for i = 10 + lanes, #ARGV - 2, 3 do
   end
   -- Nothing more to read: entries another worker left past the wait, rather than an empty slot.
   if wanted > 0 and routed and wait > 0 then
-    local got = take_assigned(lane, wanted, past_the_wait)
+    local got = take_assigned(lane, open(), past_the_wait)
     wanted, free = wanted - got, free - got
   end
 end
 
 if wait > 0 and report then
-  redis.call('HSET', workers, me, math.max(free, 0) .. ' ' .. now)
+  redis.call('HSET', workers, me, math.max(free - most_kept, 0) .. ' ' .. now)
   redis.call('PEXPIRE', workers, 10 * live)
 end
 redis.call('SET', readers, 1, 'PX', 10 * live)  -- clients hold tenants' requests while a worker moves them

@@ -56,10 +56,12 @@ async def drain(lib: Scripts, reads: int, free: int = 1) -> list[tuple[str, str]
     return taken
 
 
-async def flood(client: AsyncClient, tenant: str, count: int, tokens: int = 10) -> None:
+async def flood(client: AsyncClient, tenant: str, count: int, tokens: int = 10, lane: Lane = "default") -> None:
     """`count` requests of `tenant`, ids `<tenant>-<i>`, each costing 6 prompt tokens and `tokens` new ones."""
     for i in range(count):
-        await client.submit(input_ids=[5] * 6, max_new_tokens=tokens, tenant=tenant, request_id=f"{tenant}-{i}")
+        await client.submit(
+            input_ids=[5] * 6, max_new_tokens=tokens, tenant=tenant, request_id=f"{tenant}-{i}", priority=lane
+        )
 
 
 async def test_without_a_worker_that_moves_them_requests_are_not_held(
@@ -174,3 +176,56 @@ async def test_the_status_counts_held_requests_as_waiting(conn: aioredis.Redis, 
     [default] = [lane for lane in status.lanes if lane.lane == "default"]
     assert (default.held, default.depth, default.pending, default.lag) == (3, 4, 1, 3)
     assert (status.depth, status.lag) == (4, 3) and default.backlog_tokens == 4 * 16
+
+
+# --- kept slots (`LLMQ_IDLE_TENANT_SLOTS`): the last free slots go only to tenants with nothing running ---------
+
+
+async def read_kept(lib: Scripts, free: int, keep: int, lane: Lane = "default", routing: Routing = PLAIN) -> list[str]:
+    """The request ids one read takes, `free` slots free and `keep` of them kept."""
+    reply = await lib.read.run(KEYS, "w", free, [(lane, free)], [lane], routing, keep=keep)
+    return [decode_request(entry.fields[ENTRY_FIELD]).id for entry in reply.entries]
+
+
+async def test_a_kept_slot_goes_only_to_a_tenant_with_nothing_running(
+    conn: aioredis.Redis, client: AsyncClient
+) -> None:
+    lib = Scripts.register(conn)
+    await read(lib, 1)  # a worker of this release reads: clients hold tenants' requests from now on
+    await flood(client, "a", 5)
+    assert await read_kept(lib, 2, keep=1) == ["a-0"]  # one open slot; a runs one now, so the kept one stays free
+    assert await read_kept(lib, 1, keep=1) == []
+    await flood(client, "b", 2)
+    assert await read_kept(lib, 1, keep=1) == ["b-0"]  # b had nothing running
+    assert await read_kept(lib, 1, keep=1) == []  # now both run something
+    assert await read_kept(lib, 2, keep=1) == ["a-1"]  # the open slot, in fair order (a tie, broken by name)
+    assert await read_kept(lib, 3, keep=0) == ["b-1", "a-2", "a-3"]  # nothing kept: every free slot, fair order
+
+
+async def test_the_interactive_lane_takes_a_kept_slot(conn: aioredis.Redis, client: AsyncClient) -> None:
+    lib = Scripts.register(conn)
+    await read(lib, 1)  # a worker of this release reads: clients hold tenants' requests from now on
+    await flood(client, "a", 3, lane="interactive")
+    assert await read_kept(lib, 1, keep=0, lane="interactive") == ["a-0"]
+    assert await read_kept(lib, 1, keep=1, lane="interactive") == ["a-1"]  # a runs one, yet it takes the last slot
+
+
+async def test_entries_on_the_stream_take_only_open_slots(conn: aioredis.Redis, client: AsyncClient) -> None:
+    """Entries a client added straight to the stream (no worker read lately, so nothing was held) carry no
+    fair-share state: a kept slot is not theirs."""
+    lib = Scripts.register(conn)
+    await read(lib, 1)
+    await conn.delete(KEYS.fair_readers)  # no reader lately: a client adds to the stream itself
+    await flood(client, "a", 3)
+    assert await conn.xlen(KEYS.lane("default")) == 3
+    assert await read_kept(lib, 2, keep=1) == ["a-0"]
+    assert await read_kept(lib, 1, keep=1) == []
+    assert await read_kept(lib, 3, keep=1) == ["a-1", "a-2"]
+
+
+async def test_cache_affinity_hears_only_the_open_slots(conn: aioredis.Redis) -> None:
+    lib = Scripts.register(conn)
+    routing = Routing(wait_ms=50)
+    await read_kept(lib, 5, keep=2, routing=routing)
+    free, _ = (await conn.hget(KEYS.affinity_workers, "w") or b"").split()
+    assert int(free) == 3
