@@ -32,7 +32,9 @@ from worker.embedded_redis import RedisServer
 KEYS = Keys("default")
 
 
-async def run_worker(url: str, step_s: float, max_running: int, name: str, affinity_wait_ms: int = 50) -> None:
+async def run_worker(
+    url: str, step_s: float, max_running: int, name: str, affinity_wait_ms: int = 50, idle_tenant_slots: int = 0
+) -> None:
     import signal
 
     # Here, in the worker's process only: the client side of a benchmark must not carry torch's heap (its
@@ -53,6 +55,7 @@ async def run_worker(url: str, step_s: float, max_running: int, name: str, affin
         heartbeat_s=0.5,
         model="scripted",
         affinity_wait_ms=affinity_wait_ms,
+        idle_tenant_slots=idle_tenant_slots,
     )
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -82,7 +85,13 @@ async def measure(url: str, requests: int, tokens: int, label: str) -> tuple[flo
 
 
 def start_workers(
-    url: str, count: int, step_s: float, max_running: int, logs: Path, affinity_wait_ms: int = 50
+    url: str,
+    count: int,
+    step_s: float,
+    max_running: int,
+    logs: Path,
+    affinity_wait_ms: int = 50,
+    idle_tenant_slots: int = 0,
 ) -> list[subprocess.Popen[bytes]]:
     return [
         subprocess.Popen(
@@ -100,6 +109,8 @@ def start_workers(
                 f"q{i}",
                 "--affinity-wait-ms",
                 str(affinity_wait_ms),
+                "--idle-tenant-slots",
+                str(idle_tenant_slots),
             ],
             stdout=(logs / f"q{i}.log").open("wb"),
             stderr=subprocess.STDOUT,
@@ -109,9 +120,16 @@ def start_workers(
 
 
 async def with_workers(
-    url: str, count: int, step_s: float, max_running: int, logs: Path, work: Any, affinity_wait_ms: int = 50
+    url: str,
+    count: int,
+    step_s: float,
+    max_running: int,
+    logs: Path,
+    work: Any,
+    affinity_wait_ms: int = 50,
+    idle_tenant_slots: int = 0,
 ) -> Any:
-    workers = start_workers(url, count, step_s, max_running, logs, affinity_wait_ms)
+    workers = start_workers(url, count, step_s, max_running, logs, affinity_wait_ms, idle_tenant_slots)
     try:
         async with AsyncClient(url) as client:
             while len((await client.status()).workers) < count:
@@ -178,9 +196,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-running", type=int, default=32, help=argparse.SUPPRESS)
     parser.add_argument("--name", default="q", help=argparse.SUPPRESS)
     parser.add_argument("--affinity-wait-ms", type=int, default=50, help=argparse.SUPPRESS)
+    parser.add_argument("--idle-tenant-slots", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        asyncio.run(run_worker(args.worker, args.step_ms / 1000, args.max_running, args.name, args.affinity_wait_ms))
+        step_s = args.step_ms / 1000
+        asyncio.run(
+            run_worker(args.worker, step_s, args.max_running, args.name, args.affinity_wait_ms, args.idle_tenant_slots)
+        )
         return
     print_json(asyncio.run(main_async(args)))
 

@@ -1,19 +1,23 @@
 """Fair share between tenants on two worker processes, with the scripted engine (`bench.fabric`'s workers: the
 queue's own behaviour, not the model's cost).
 
-    python -m bench.tenants [--quick] [--step-ms 20] [--flood 2000] [--affinity-wait-ms 50]
+    python -m bench.tenants [--quick] [--step-ms 20] [--flood 2000] [--affinity-wait-ms 50] [--idle-tenant-slots 1]
 
-Six runs, each on a Redis of its own and two fresh workers:
+Eight runs, each on a Redis of its own and two fresh workers of 8 slots, `--idle-tenant-slots` of them kept for
+tenants with nothing running (`LLMQ_IDLE_TENANT_SLOTS`) unless the run says otherwise:
 - `b alone`: tenant B submits 50 requests spread over the run; nobody else has work.
-- `a floods`: tenant A submits `--flood` batch requests at once, and B its 50 spread over A's run, in the same
-  lane: B's queue wait (submit to start, the `done` event's `queue_ms`) against B alone is `b_wait_p99_ratio`.
+- `a floods`: tenant A submits `--flood` batch requests at once, and once they are queued B submits its 50,
+  spread over A's run, in the same lane: B's queue wait (submit to start, the `done` event's `queue_ms`) against
+  B alone is `b_wait_p99_ratio`.
+- `a floods, no kept slot`: the same with no slot kept. Tenants then share slots, not steps: without preemption
+  between them, a request of B waits for one of A's to end, up to one request's running time (`a_running_ms_p50`);
+  `b_wait_p99_over_a_running` is B's P99 wait over it.
 - `one tenant`: the same, B's requests submitted as A's, as before tenants: first come, first served.
-- `a alone`: the flood with no B; `a beside idle b`: the same with B's weight set to 3 and B idle: A gets the whole
-  fleet (fair share is work-conserving): `a_throughput_ratio`, beside idle B / alone.
+- `a alone`: the flood with no B; `a beside idle b`: the same with B's weight set to 3 and B idle: A gets all the
+  fleet's open slots (fair share is work-conserving): `a_throughput_ratio`, beside idle B / alone. `a alone, no
+  kept slot`: what the kept slots cost a lone flood (`kept_slot_cost`, the share of its throughput).
 - `3:1`: A (weight 3) and B (weight 1) both flood; the token share A's requests got among those that started
   while both had work waiting, against 3/4, is `share_error`.
-Tenants share slots, not steps: without preemption between them, a request of B waits for one of A's to end, up
-to one request's running time (`a_running_ms_p50`); `b_wait_p99_over_a_running` is B's P99 wait over it.
 Usage (`llmq usage`) is compared with what the clients saw in every run (`usage_exact`), and `lost` counts the
 requests that got no answer. Ends with one JSON line.
 """
@@ -48,6 +52,7 @@ class Run:
         self.lost = 0
         self.seconds = 0.0
         self.sent = 0
+        self.queued: dict[str, int] = {}  # tenant -> requests submitted and in the queue
         self.tenants: dict[str, str] = {}  # caller -> the tenant it submitted as
         self.submitting = asyncio.Semaphore(32)
 
@@ -59,6 +64,7 @@ class Run:
         tenant = tenant or caller
         async with self.submitting:  # a flood's submits share a few connections, as a real producer's would
             job = await client.submit(input_ids=prompt, max_new_tokens=TOKENS, tenant=tenant, priority="batch")
+        self.queued[tenant] = self.queued.get(tenant, 0) + 1
         try:
             result = await job.result(timeout=900)
         except Exception:  # counted as lost, which the JSON line reports
@@ -91,6 +97,14 @@ async def flood(run: Run, client: AsyncClient, tenant: str, count: int) -> None:
     await asyncio.gather(*(run.one(client, tenant) for _ in range(count)))
 
 
+async def behind(run: Run, tenant: str, count: int, then: Any) -> None:
+    """`then` once `count` requests of `tenant` are in the queue: B's requests come while A's flood runs, not while
+    A's client is still writing it (2,000 submits at once load this machine's two cores, Redis's among them)."""
+    while run.queued.get(tenant, 0) < count:
+        await asyncio.sleep(0.05)
+    await then
+
+
 def usage_matches(url: str, run: Run) -> bool:
     """Whether `llmq usage` counts, per tenant, the requests and tokens the callers saw."""
     with closing(Admin(url)) as admin:
@@ -106,7 +120,7 @@ def usage_matches(url: str, run: Run) -> bool:
 
 
 async def scenario(
-    root: Path, name: str, step_s: float, work: Any, weights: dict[str, float], affinity_wait_ms: int
+    root: Path, name: str, step_s: float, work: Any, weights: dict[str, float], affinity_wait_ms: int, kept: int
 ) -> tuple[Run, bool]:
     """One run on a fresh Redis and two fresh workers: `work(run, client)` submits and awaits."""
     server = RedisServer(root / f"redis-{name}").start()
@@ -123,7 +137,7 @@ async def scenario(
                 await work(run, client)
                 run.seconds = time.perf_counter() - start
 
-        await with_workers(server.url, WORKERS, step_s, SLOTS, root, go, affinity_wait_ms)
+        await with_workers(server.url, WORKERS, step_s, SLOTS, root, go, affinity_wait_ms, kept)
         exact = usage_matches(server.url, run)
     finally:
         server.stop()
@@ -149,15 +163,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     flood_s = flood_size * TOKENS * step_s / (WORKERS * SLOTS)
 
     async def b_alone(run: Run, client: AsyncClient) -> None:
-        await trickle(run, client, "b", B_REQUESTS, 0.8 * flood_s)
+        await trickle(run, client, "b", B_REQUESTS, 0.7 * flood_s)
 
     async def a_floods(run: Run, client: AsyncClient) -> None:
-        await asyncio.gather(flood(run, client, "a", flood_size), trickle(run, client, "b", B_REQUESTS, 0.8 * flood_s))
+        b = trickle(run, client, "b", B_REQUESTS, 0.7 * flood_s)
+        await asyncio.gather(flood(run, client, "a", flood_size), behind(run, "a", flood_size, b))
 
     async def one_tenant(run: Run, client: AsyncClient) -> None:  # as before tenants: B's requests are A's too
-        await asyncio.gather(
-            flood(run, client, "a", flood_size), trickle(run, client, "b", B_REQUESTS, 0.8 * flood_s, tenant="a")
-        )
+        b = trickle(run, client, "b", B_REQUESTS, 0.7 * flood_s, tenant="a")
+        await asyncio.gather(flood(run, client, "a", flood_size), behind(run, "a", flood_size, b))
 
     async def a_alone(run: Run, client: AsyncClient) -> None:
         await flood(run, client, "a", flood_size)
@@ -165,17 +179,20 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     async def both_flood(run: Run, client: AsyncClient) -> None:
         await asyncio.gather(flood(run, client, "a", flood_size // 2), flood(run, client, "b", flood_size // 2))
 
+    kept = args.idle_tenant_slots
     runs: dict[str, tuple[Run, bool]] = {}
-    for name, work, weights in (
-        ("b alone", b_alone, {}),
-        ("a floods", a_floods, {}),
-        ("one tenant", one_tenant, {}),
-        ("a alone", a_alone, {}),
-        ("a beside idle b", a_alone, {"b": 3.0}),
-        ("3:1", both_flood, {"a": 3.0, "b": 1.0}),
+    for name, work, weights, slots_kept in (
+        ("b alone", b_alone, {}, kept),
+        ("a floods", a_floods, {}, kept),
+        ("a floods, no kept slot", a_floods, {}, 0),
+        ("one tenant", one_tenant, {}, kept),
+        ("a alone", a_alone, {}, kept),
+        ("a alone, no kept slot", a_alone, {}, 0),
+        ("a beside idle b", a_alone, {"b": 3.0}, kept),
+        ("3:1", both_flood, {"a": 3.0, "b": 1.0}, kept),
     ):
-        label = name.replace(" ", "-").replace(":", "to")
-        runs[name] = await scenario(root, label, step_s, work, weights, args.affinity_wait_ms)
+        label = name.replace(",", "").replace(" ", "-").replace(":", "to")
+        runs[name] = await scenario(root, label, step_s, work, weights, args.affinity_wait_ms, slots_kept)
         run, exact = runs[name]
         waits = {t: run.waits_ms(t) for t in sorted(run.answers)}
         print(
@@ -189,16 +206,22 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
     alone, flooded = runs["b alone"][0].waits_ms("b"), runs["a floods"][0].waits_ms("b")
-    fifo = runs["one tenant"][0].waits_ms("b")
+    unkept, fifo = runs["a floods, no kept slot"][0].waits_ms("b"), runs["one tenant"][0].waits_ms("b")
     share = share_while_both_wait(runs["3:1"][0], "a")
     print(f"3:1: A's token share while both waited {share:.3f} (weights: 0.750)")
     # Without preemption between tenants, B waits for a slot to free: up to one of A's requests' running time.
-    a_running = percentile(runs["a floods"][0].running_ms("a"), 0.5)
-    over = percentile(flooded, 0.99) / max(1.0, a_running)
-    print(f"a's requests ran {a_running:.0f} ms each (P50): B's P99 wait behind the flood is {over:.2f} of that")
+    a_running = percentile(runs["a floods, no kept slot"][0].running_ms("a"), 0.5)
+    over = percentile(unkept, 0.99) / max(1.0, a_running)
+    print(f"a's requests ran {a_running:.0f} ms each (P50): with no kept slot, B's P99 wait is {over:.2f} of that")
+    a_alone_tok_s = runs["a alone"][0].tokens_per_s("a")
+    unkept_tok_s = runs["a alone, no kept slot"][0].tokens_per_s("a")
+    cost = 1 - a_alone_tok_s / max(1e-9, unkept_tok_s)
+    print(f"{kept} kept slot(s) of {SLOTS} per worker cost a lone flood {100 * cost:.1f}% of its throughput")
     return {
         "step_ms": args.step_ms,
         "affinity_wait_ms": args.affinity_wait_ms,
+        "idle_tenant_slots": kept,
+        "slots_per_worker": SLOTS,
         "flood": flood_size,
         "b_requests": B_REQUESTS,
         "b_wait_p50_ms_alone": round(percentile(alone, 0.5), 1),
@@ -206,6 +229,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "b_wait_p50_ms_flooded": round(percentile(flooded, 0.5), 1),
         "b_wait_p99_ms_flooded": round(percentile(flooded, 0.99), 1),
         "b_wait_p99_ratio": round(percentile(flooded, 0.99) / max(1.0, percentile(alone, 0.99)), 3),
+        "b_wait_p50_ms_no_kept_slot": round(percentile(unkept, 0.5), 1),
+        "b_wait_p99_ms_no_kept_slot": round(percentile(unkept, 0.99), 1),
+        "b_wait_p99_ratio_no_kept_slot": round(percentile(unkept, 0.99) / max(1.0, percentile(alone, 0.99)), 3),
         "b_wait_p50_ms_one_tenant": round(percentile(fifo, 0.5), 1),
         "b_wait_p99_ms_one_tenant": round(percentile(fifo, 0.99), 1),
         "b_wait_p99_ratio_one_tenant": round(percentile(flooded, 0.99) / max(1.0, percentile(fifo, 0.99)), 3),
@@ -213,12 +239,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "b_wait_p99_over_a_running": round(over, 3),
         "a_share_3to1": round(share, 3),
         "share_error": round(abs(share - 0.75), 3),
-        "a_tok_s_alone": round(runs["a alone"][0].tokens_per_s("a")),
+        "a_tok_s_alone": round(a_alone_tok_s),
+        "a_tok_s_alone_no_kept_slot": round(unkept_tok_s),
+        "kept_slot_cost": round(cost, 3),
         "a_tok_s_beside_idle_b": round(runs["a beside idle b"][0].tokens_per_s("a")),
         "a_tok_s_beside_busy_b": round(runs["a floods"][0].tokens_per_s("a")),
-        "a_throughput_ratio": round(
-            runs["a beside idle b"][0].tokens_per_s("a") / max(1e-9, runs["a alone"][0].tokens_per_s("a")), 3
-        ),
+        "a_throughput_ratio": round(runs["a beside idle b"][0].tokens_per_s("a") / max(1e-9, a_alone_tok_s), 3),
         "usage_exact": all(exact for _, exact in runs.values()),
         "lost": sum(run.lost for run, _ in runs.values()),
     }
@@ -231,6 +257,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--flood", type=int, default=2000, help="tenant A's batch requests")
     parser.add_argument(
         "--affinity-wait-ms", type=int, default=50, help="the workers' LLMQ_AFFINITY_WAIT_MS (0: cache affinity off)"
+    )
+    parser.add_argument(
+        "--idle-tenant-slots", type=int, default=1, help="the workers' LLMQ_IDLE_TENANT_SLOTS (0: none kept)"
     )
     print_json(asyncio.run(main_async(parser.parse_args(argv))))
 
