@@ -593,6 +593,12 @@ class BaseClient:
                 f"this call passes tenant {owner!r}'s queued quota (max queued requests or tokens) in {where} even "
                 "with nothing else queued: ask for fewer choices or tokens, or a larger quota"
             )
+        if refused is SubmitOutcome.TENANTS_FULL:
+            raise TenantQuotaExceeded(
+                f"tenant {owner!r} is new to {where}, which serves its most tenants (those that submitted within the "
+                "hour; LLMQ_MAX_TENANTS on the workers): retry once one has been quiet for an hour, or raise the bound",
+                owner,
+            )
         if refused is SubmitOutcome.TENANT_FULL:
             calls = f"{len(outcomes)} more requests" if len(outcomes) > 1 else "another request"
             raise TenantQuotaExceeded(
@@ -612,6 +618,7 @@ _REFUSALS = {
     SubmitOutcome.FULL: "the lane is full (QueueFull)",
     SubmitOutcome.TENANT_FULL: "TenantQuotaExceeded",
     SubmitOutcome.TENANT_TOO_LARGE: "larger than the tenant's queued quota (InvalidRequest)",
+    SubmitOutcome.TENANTS_FULL: "a new tenant past the bound on tenants (TenantQuotaExceeded)",
 }
 
 

@@ -42,7 +42,8 @@ class QueueFull(LLMQError):
 
 class TenantQuotaExceeded(QueueFull):
     """The tenant's requests waiting for fair share are at its `max_queued` or `max_queued_tokens` quota
-    (`client.tenants.TenantLimits`): nothing was queued. Other tenants still submit; back off and retry."""
+    (`client.tenants.TenantLimits`), or the tenant is new and the queue serves its most tenants (the workers'
+    `LLMQ_MAX_TENANTS`): nothing was queued. Other tenants still submit; back off and retry."""
 
     def __init__(self, message: str, tenant: str) -> None:
         super().__init__(message)

@@ -193,6 +193,17 @@ class Keys:
         return f"{self.tag}:tenants:counts"
 
     @property
+    def tenants_max(self) -> str:
+        """String (with a TTL): how many tenants may submit to this partition within `TENANT_SEEN_MS`, set by the
+        workers' heartbeats from `LLMQ_MAX_TENANTS` (absent: no bound)."""
+        return f"{self.tag}:tenants:max"
+
+    @property
+    def tenants_seen(self) -> str:
+        """Sorted set: tenant -> when it last submitted here (epoch ms); `submit.lua` bounds its size."""
+        return f"{self.tag}:tenants:seen"
+
+    @property
     def tenant_running(self) -> str:
         """Sorted set: "<tenant>\0<entry id>" of every request moved to run -> when its count lapses (a request
         lost without its final event frees its tenant's running count then)."""

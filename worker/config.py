@@ -151,6 +151,13 @@ class Settings(BaseSettings, LimitSettings):
         description="cache affinity: requests that may wait for a full worker that holds their prompt's start "
         "(it takes them first as slots free); more run wherever a slot is free",
     )
+    max_tenants: int = Field(
+        10_000,
+        ge=1,
+        le=1_000_000,
+        description="tenants that may submit to each queue partition within an hour; a new one past it is refused "
+        "(TenantQuotaExceeded), so made-up tenant names cannot grow Redis without bound",
+    )
     idle_tenant_slots: int = Field(
         0,
         ge=0,

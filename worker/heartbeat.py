@@ -72,6 +72,14 @@ class Heartbeat:
         if rate is not None:
             ttl = max(10, int(5 * self._settings.heartbeat_s))
             await self._redis.set(self._keys.fleet_rate, f"{rate:.3f}", ex=ttl)
+        await self._bound_tenants()
+
+    async def _bound_tenants(self) -> None:
+        """The bound on tenants (`LLMQ_MAX_TENANTS`) where the submit script reads it, in every partition, for as
+        long as workers beat: the last worker to write wins, so set it the same on every worker."""
+        ttl = max(30, int(10 * self._settings.heartbeat_s))
+        for keys in self._keys.partitioned(self._settings.queue_partitions):
+            await self._redis.set(keys.tenants_max, self._settings.max_tenants, ex=ttl)
 
     def _measure_fleet_rate(self, workers: list[WorkerInfo]) -> float | None:
         """The live workers' tokens per second (each between its last two heartbeats we saw, smoothed), summed;

@@ -82,6 +82,7 @@ class SubmitOutcome(IntEnum):
     FULL = -1  # the lane's backlog is at its limit: nothing added, not even the idempotency marker
     TENANT_FULL = -2  # the tenant's queued requests or tokens are at its quota (`Keys.tenant_limits`): nothing added
     TENANT_TOO_LARGE = -3  # the call alone passes the tenant's queued quota: nothing added, and no retry helps
+    TENANTS_FULL = -4  # a new tenant, and the partition has seen its most tenants lately (`Keys.tenants_max`)
 
 
 class PublishOutcome(IntEnum):
@@ -108,6 +109,9 @@ FAIR_IDLE_TTL_MS = 86_400_000  # a lane's fair-share clock and idle tenants' vir
 # A request counts against its tenant's running quota until its final event, or this long after it was moved to
 # run when that event never comes (a request lost to a bug or a deleted stream): a count cannot leak for good.
 TENANT_RUNNING_TTL_MS = 3_600_000
+# A tenant counts against the bound on tenants (`Keys.tenants_max`) until it has not submitted for this long: the
+# usage hash of an hour (`Keys.usage`) holds at most that many tenants, whatever names callers make up.
+TENANT_SEEN_MS = 3_600_000
 
 
 class TenantCount:
@@ -134,6 +138,7 @@ LUA_CONSTANTS: dict[str, str | bytes | int | tuple[str, ...]] = {
     "AFFINITY_MAX_KEYS": AFFINITY_MAX_KEYS,
     "FAIR_IDLE_TTL_MS": FAIR_IDLE_TTL_MS,
     "TENANT_RUNNING_TTL_MS": TENANT_RUNNING_TTL_MS,
+    "TENANT_SEEN_MS": TENANT_SEEN_MS,
     **{f"COUNT_{name}": getattr(TenantCount, name) for name in vars(TenantCount) if name.isupper()},
     "USAGE_REQUESTS": USAGE_REQUESTS,
     "USAGE_COUNTS": USAGE_COUNTS,
@@ -211,11 +216,12 @@ class LuaScript:
 
 class Submit(LuaScript):
     """KEYS: the lane's request stream and its fair-share keys (`Keys.fairness` of the lane, less the weights),
-    the tenants' limits and counts, then each request's idempotency marker. ARGV: the lane's limit (0 = none), the
+    the tenants' limits and counts, the bound on tenants and the tenants seen, then each request's idempotency
+    marker. ARGV: the lane's limit (0 = none), the
     result TTL, the client id, the trace context (`TRACE_FIELD`, b"" for none), the tenant (b"" for none), then
     per request its entry, its affinity key (`AFFINITY_FIELD`, b"" for none) and its estimated cost in tokens.
-    Reply: a `SubmitOutcome` per request (all FULL, all TENANT_FULL, all TENANT_TOO_LARGE, or each ADDED or
-    DUPLICATE)."""
+    Reply: a `SubmitOutcome` per request (all FULL, all TENANT_FULL, all TENANT_TOO_LARGE, all TENANTS_FULL, or
+    each ADDED or DUPLICATE)."""
 
     name = "submit"
 
@@ -235,7 +241,7 @@ class Submit(LuaScript):
     ) -> ScriptCall:
         markers = [keys.submitted(request_id) for request_id in request_ids]
         fairness = [keys.held(lane), keys.held_order(lane), keys.fair(lane), keys.fair_idle(lane), keys.fair_readers]
-        fairness += [keys.tenant_limits, keys.tenant_counts]
+        fairness += [keys.tenant_limits, keys.tenant_counts, keys.tenants_max, keys.tenants_seen]
         per_request = zip(entries, affinities or [b""] * len(entries), costs or [0] * len(entries), strict=True)
         args = [item for triple in per_request for item in triple]
         return ScriptCall([keys.lane(lane), *fairness, *markers], [limit, ttl_s, client_id, trace, tenant, *args])

@@ -1,12 +1,14 @@
 -- The client's submit of one call's requests (one, or its `n` choices): an atomic, all-or-nothing check-and-add.
 -- KEYS: the lane's request stream, its held stream, held order, virtual times and idle hash (`Keys.fairness`), the
--- readers' mark, the tenants' limits and counts, then each request's idempotency marker; ARGV: the lane's limit
+-- readers' mark, the tenants' limits and counts, the bound on tenants and the tenants seen (`Keys.tenants_max`,
+-- `Keys.tenants_seen`), then each request's idempotency marker; ARGV: the lane's limit
 -- (0 = none), the result TTL, the client id (its wake stream's name), the submitter's trace context ('' = none: an
 -- entry field of its own, which a worker that predates it ignores), the tenant ('' = none), then per request its
 -- entry, its affinity key (`AFFINITY_FIELD`, '' = none: a field a worker that predates it ignores too) and its
 -- estimated cost in tokens. Answers, per request, ADDED or DUPLICATE (submitted before: nothing added); or FULL for
 -- every one when the backlog has no room for the new ones, TENANT_FULL for every one when they would take the
--- tenant past its queued quota, TENANT_TOO_LARGE when they would pass it with nothing queued (nothing added then,
+-- tenant past its queued quota, TENANT_TOO_LARGE when they would pass it with nothing queued, TENANTS_FULL when
+-- the tenant is new and the partition has seen its most tenants within `TENANT_SEEN_MS` (nothing added then,
 -- not even a marker). Added in one call, a call's requests enter
 -- the stream together, so the worker that reads first takes them all and computes their shared prompt once.
 -- Workers XDEL finished requests, so XLEN of the stream and of the held stream is the lane's backlog.
@@ -18,8 +20,8 @@
 -- queued counts (requests and their estimated tokens, held in any lane) grow here and shrink as workers move them:
 -- its limits ("<max queued> <max queued tokens> <max running> <tokens per minute>", 0 = none) bound them.
 local stream, held, order, fair, idle, readers = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local limits, counts = KEYS[7], KEYS[8]
-local markers = 8
+local limits, counts, bound, seen = KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local markers = 10
 local function count_field(tenant, what)  -- a field of `Keys.tenant_counts`
   return tenant .. '|' .. what
 end
@@ -65,6 +67,19 @@ if hold and #new > 0 then
       return all(${SUBMIT_TENANT_FULL})
     end
   end
+  -- A bound on tenants: names are free to make up, and each one seen adds fields to the hashes of fair share and
+  -- usage. A tenant counts until it has not submitted for `TENANT_SEEN_MS`.
+  local clock = redis.call('TIME')
+  local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+  if not redis.call('ZSCORE', seen, tenant) then
+    redis.call('ZREMRANGEBYSCORE', seen, '-inf', now - ${TENANT_SEEN_MS})
+    local most = tonumber(redis.call('GET', bound) or '')
+    if most and redis.call('ZCARD', seen) >= most then
+      return all(${SUBMIT_TENANTS_FULL})
+    end
+  end
+  redis.call('ZADD', seen, now, tenant)
+  redis.call('PEXPIRE', seen, ${TENANT_SEEN_MS})
   redis.call('HINCRBY', counts, count_field(tenant, ${COUNT_QUEUED}), #new)
   redis.call('HINCRBY', counts, count_field(tenant, ${COUNT_QUEUED_TOKENS}), tokens)
 end

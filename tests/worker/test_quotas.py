@@ -9,8 +9,8 @@ import asyncio
 import json
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
-from typing import NamedTuple
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NamedTuple
 
 import pytest
 import redis.asyncio as aioredis
@@ -21,6 +21,7 @@ from client.protocol import COST_FIELD, ENTRY_FIELD, TENANT_FIELD, RequestLimits
 from client.scripts import PublishItem, Routing, Scripts, pack_usage
 from client.store import Keys
 from client.tenants import TenantLimits
+from tests.polling import wait_until
 from worker.intake import Intake
 from worker.publisher import Target
 
@@ -113,6 +114,36 @@ async def test_the_queued_quotas_refuse_that_tenant_only(
         await submit(client, "a", 1, start=4)
     counts = await conn.hgetall(KEYS.tenant_counts)
     assert counts[b"a|queued"] == b"3" and counts[b"a|queued_tokens"] == str(3 * COST).encode()
+
+
+async def test_a_new_tenant_past_the_bound_on_tenants_is_refused_until_one_goes_quiet(
+    conn: aioredis.Redis, lib: Scripts, client: AsyncClient
+) -> None:
+    await conn.set(KEYS.tenants_max, 2)  # as the workers' heartbeats write LLMQ_MAX_TENANTS
+    await submit(client, "a", 1)
+    await submit(client, "b", 1)
+    with pytest.raises(TenantQuotaExceeded, match="'c' is new") as refused:
+        await submit(client, "c", 1)
+    assert refused.value.tenant == "c"
+    await submit(client, "a", 1, start=1)  # tenants seen still submit
+    assert await conn.exists(KEYS.submitted("c-0")) == 0 and not await conn.hexists(KEYS.tenant_counts, "c|queued")
+    assert sorted(await conn.zrange(KEYS.tenants_seen, 0, -1)) == [b"a", b"b"]
+    await conn.zadd(KEYS.tenants_seen, {"b": int(time.time() * 1000) - 3_600_001})  # b quiet for over an hour
+    await submit(client, "c", 1)
+    assert sorted(await conn.zrange(KEYS.tenants_seen, 0, -1)) == [b"a", b"c"]
+    await conn.delete(KEYS.tenants_max)  # no worker beats: no bound
+    await submit(client, "d", 1)
+    assert sorted(tenants(await take(lib, 8))) == ["a", "a", "b", "c", "d"]  # nothing refused was queued
+
+
+async def test_the_workers_write_the_bound_on_tenants_in_every_partition(
+    start_worker: Callable[..., Any], redis_url: str
+) -> None:
+    await start_worker(queue=QUEUE, max_tenants=3, queue_partitions=2, heartbeat_s=0.1)
+    async with aioredis.Redis.from_url(redis_url) as conn:
+        for keys in KEYS.partitioned(2):
+            await wait_until(lambda keys=keys: conn.exists(keys.tenants_max), 10)
+            assert await conn.get(keys.tenants_max) == b"3" and 0 < await conn.ttl(keys.tenants_max) <= 30
 
 
 async def test_a_call_of_n_choices_is_refused_whole(conn: aioredis.Redis, lib: Scripts, client: AsyncClient) -> None:
