@@ -1,7 +1,8 @@
 """A queue's dead letters for operators (`llmq dead`): list, find, replay and drop them, page by page.
 
 Workers copy an entry they will never run to `Keys.dead` of its partition (`worker.intake.Intake.dead_letter`): a
-`DeadLetterBody` with the reason and `raw`, the request entry's `m` field as it was. A replay puts that entry back
+`DeadLetterBody` with the reason and `raw`, the request entry's `m` field as it was, and beside it the entry's
+tenant and estimated cost. A replay puts that entry back, with its tenant (whose usage it counts in) and cost,
 on a lane's request stream under the same request id, so whoever follows the id (`llmq attach`, `Job.attach`, a
 `reply_to` pipeline) gets the new answer. In one transaction it removes the letter and clears what the first run
 left under the id: the result stream (which may end with the error its reader got), the fence (whose counters
@@ -18,7 +19,9 @@ from typing import Any
 from client.admin import Admin
 from client.errors import LLMQError, MalformedEntry, UnsupportedVersion
 from client.protocol import (
+    COST_FIELD,
     ENTRY_FIELD,
+    TENANT_FIELD,
     GenerateRequest,
     Lane,
     decode_dead_letter,
@@ -42,6 +45,8 @@ class DeadLetter:
     reason: str
     raw: bytes
     request: GenerateRequest | None
+    tenant: str | None = None  # the request's owner (None: a letter of a worker that predates tenants)
+    cost: int = 0
 
     @property
     def request_id(self) -> str | None:
@@ -64,7 +69,18 @@ def read_letter(entry_id: bytes | str, fields: dict[bytes, bytes], partition: in
         request: GenerateRequest | None = decode_request(body.raw)
     except (MalformedEntry, UnsupportedVersion, ValueError):
         request = None
-    return DeadLetter(letter_id, partition, body.entry_id, body.reason, body.raw, request)
+    tenant = fields.get(TENANT_FIELD, b"").decode(errors="replace")
+    cost = fields.get(COST_FIELD, b"0")
+    return DeadLetter(
+        letter_id,
+        partition,
+        body.entry_id,
+        body.reason,
+        body.raw,
+        request,
+        tenant if is_valid_name(tenant) else None,
+        int(cost) if cost.isdigit() else 0,
+    )
 
 
 def _order(letter: DeadLetter) -> tuple[int, int]:
@@ -161,7 +177,10 @@ class DeadLetters:
             pipe.xdel(keys.dead, letter.id)
             pipe.delete(keys.result(rid), keys.fence(rid), keys.cancel(rid))
             pipe.set(keys.submitted(rid), 1, ex=request.result_ttl)
-            pipe.xadd(keys.lane(lane), {ENTRY_FIELD: letter.raw})
+            entry: dict[Any, Any] = {ENTRY_FIELD: letter.raw}
+            if letter.tenant is not None:
+                entry |= {TENANT_FIELD: letter.tenant, COST_FIELD: letter.cost}
+            pipe.xadd(keys.lane(lane), entry)
             return True
 
         moved: bool = self._admin.call(

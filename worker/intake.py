@@ -142,6 +142,8 @@ class Letter:
     reason: str
     lane: Lane = "default"
     answer: Answer | None = None
+    tenant: str | None = None  # the entry's owner and estimated cost, which a replay gives back to it
+    cost: int = 0
 
 
 Decision = Accepted | Answer | Letter  # `decide`: an entry as read
@@ -167,7 +169,7 @@ def decide(
         request = decode_request(raw)
     except (UnsupportedVersion, InvalidRequest) as error:
         if error.request_id is None:
-            return Letter(entry_id, raw, str(error), lane)
+            return Letter(entry_id, raw, str(error), lane, tenant=tenant, cost=cost)
         if isinstance(error, UnsupportedVersion):
             code, param = ErrorCode.UNSUPPORTED_VERSION, None
         else:
@@ -185,7 +187,7 @@ def decide(
             cost=cost,
         )
     except MalformedEntry as error:
-        return Letter(entry_id, raw, str(error), lane)
+        return Letter(entry_id, raw, str(error), lane, tenant=tenant, cost=cost)
     trace = tuple(decode_trace(fields.get(TRACE_FIELD)).items())
     accepted = Accepted(entry_id, request, notify, lane, partition, trace, tenant, cost)
     try:
@@ -335,7 +337,15 @@ def _refuse(ready: Ready, code: ErrorCode, reason: str) -> Letter:
         target_of(ready), error, seq=len(ready.delivered_ids), output=(ready.delivered_text, ready.delivered_ids)
     )
     accepted = ready.accepted
-    return Letter(accepted.entry_id, encode(accepted.request), reason, accepted.lane, answer=answer)
+    return Letter(
+        accepted.entry_id,
+        encode(accepted.request),
+        reason,
+        accepted.lane,
+        answer=answer,
+        tenant=accepted.tenant,
+        cost=accepted.cost,
+    )
 
 
 class Intake:
@@ -538,9 +548,12 @@ class Intake:
 
     async def dead_letter(self, letter: Letter) -> None:
         """Copies an entry to `{<queue>}:dead` (trimmed) and, unless the letter answers its reader, takes it off
-        the request stream (a request with a reader is acknowledged with its `error` event instead)."""
+        the request stream (a request with a reader is acknowledged with its `error` event instead). The entry's
+        tenant and cost go beside the body, as on a request entry, where readers that predate them look for none."""
         body = DeadLetterBody(entry_id=letter.entry_id.decode(), reason=letter.reason, raw=letter.raw)
         entry: dict[Any, Any] = {ENTRY_FIELD: encode(body)}
+        if letter.tenant is not None:
+            entry |= {TENANT_FIELD: letter.tenant, COST_FIELD: letter.cost}
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.xadd(self._keys.dead, entry, maxlen=self._dead_maxlen, approximate=True)
             if letter.answer is None:

@@ -371,7 +371,8 @@ class Worker:
         takes it off: a request refused before it ran (its keys refused at start) has no run to copy it from."""
         try:
             raw = await partition.intake.entry(target.entry_id, target.lane)
-            await partition.intake.dead_letter(Letter(target.entry_id, raw, reason, target.lane))
+            letter = Letter(target.entry_id, raw, reason, target.lane, tenant=target.tenant, cost=target.cost)
+            await partition.intake.dead_letter(letter)
             self.metrics.dead_letters.inc()
         except REDIS_FAILURES as error:  # its lease lapses; another worker meets the same refusal: bounded
             self.log.warning("dead-lettering failed", entry=target.entry_id.decode(), error=redact(str(error)))

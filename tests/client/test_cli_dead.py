@@ -5,15 +5,18 @@ Redis Cluster with partitions."""
 from __future__ import annotations
 
 import json
+from contextlib import closing
 from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
 from client import Client, protocol, store
+from client.admin import Admin
 from client.cli.exits import Exit
 from client.connection import open_sync
 from client.store import CONSUMER_GROUP
+from client.usage import read_usage
 from testing.redis_topologies import RedisClusterSet
 from testing.scripted_engine import expected_tokens
 from tests.client.cli_support import dead_letter, llmq, scripted_worker
@@ -127,6 +130,32 @@ async def test_a_request_a_worker_dead_lettered_completes_once_replayed(
     result = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert result["token_ids"] == expected_tokens(list(b"again"), 5) and result["finish_reason"] == "length"
     assert await server.xlen(KEYS.dead) == 0
+
+
+async def test_a_replay_keeps_the_requests_tenant_and_cost(
+    redis_url: str, server: aioredis.Redis, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The letter keeps the entry's tenant and estimated cost beside its body, and the replay gives them back: the
+    request's usage counts in its own tenant, never `default`."""
+    with Client(redis_url, tenant="billing") as client:
+        client.submit("again", max_new_tokens=5, temperature=0, request_id="dl-t")
+    await server.xgroup_create(KEYS.requests, CONSUMER_GROUP, id="0", mkstream=True)
+    await server.xreadgroup(CONSUMER_GROUP, "ghost", {KEYS.requests: ">"})  # a worker that then died
+    await server.hset(KEYS.fence("dl-t"), "h", 100)
+    settings = {"lease_timeout_s": 0.3, "claim_interval_s": 0.1, "max_deliveries": 1, "max_hand_backs": 0}
+    async with scripted_worker(redis_url, tmp_path, **settings):
+        await wait_until(lambda: server.xlen(KEYS.dead), within_s=30)
+        letter = (await server.xrange(KEYS.dead))[0][1]
+        assert letter[protocol.TENANT_FIELD] == b"billing" and int(letter[protocol.COST_FIELD]) > 5
+        assert await llmq("dead", "replay", "dl-t", "--url", redis_url) == Exit.OK
+        replayed = (await server.xrange(KEYS.requests))[-1][1]
+        assert replayed[protocol.TENANT_FIELD] == b"billing"
+        assert replayed[protocol.COST_FIELD] == letter[protocol.COST_FIELD]
+        assert await llmq("attach", "dl-t", "--url", redis_url, "--timeout", "30") == Exit.OK
+    with closing(Admin(redis_url)) as admin:
+        usage = {one.tenant: one.requests for one in read_usage(admin, "default", 3600)}
+    assert usage == {"billing": {"error:delivery_limit": 1, "length": 1}}, usage
+    capsys.readouterr()
 
 
 async def test_replay_and_drop_on_a_cluster_with_partitions(
