@@ -588,21 +588,22 @@ class BaseClient:
         if self.partitions > 1:
             where += f", partition {keys.partition} of {self.partitions},"
         owner = self.tenant if tenant is None else tenant
+        within = where.removesuffix(",")  # as the object of a sentence, not its subject
         if refused is SubmitOutcome.TENANT_TOO_LARGE:  # no retry helps: not a QueueFull
             raise InvalidRequest(
-                f"this call passes tenant {owner!r}'s queued quota (max queued requests or tokens) in {where} even "
+                f"this call passes tenant {owner!r}'s queued quota (max queued requests or tokens) in {within} even "
                 "with nothing else queued: ask for fewer choices or tokens, or a larger quota"
             )
         if refused is SubmitOutcome.TENANTS_FULL:
             raise TenantQuotaExceeded(
-                f"tenant {owner!r} is new to {where}, which serves its most tenants (those that submitted within the "
+                f"tenant {owner!r} is new to {within}, which serves its most tenants (those that submitted within the "
                 "hour; LLMQ_MAX_TENANTS on the workers): retry once one has been quiet for an hour, or raise the bound",
                 owner,
             )
         if refused is SubmitOutcome.TENANT_FULL:
             calls = f"{len(outcomes)} more requests" if len(outcomes) > 1 else "another request"
             raise TenantQuotaExceeded(
-                f"tenant {owner!r} has no room for {calls} in {where}: its queued requests or tokens are at its quota",
+                f"tenant {owner!r} has no room for {calls} in {within}: its queued requests or tokens are at its quota",
                 owner,
             )
         limit = f"{self.partition_limit} unfinished requests"

@@ -19,6 +19,7 @@ from redis.asyncio import Redis
 from client.backoff import jittered
 from client.failover import REDIS_FAILURES, reraise_lost_cancellation
 from client.protocol import LANES, ErrorCode, ErrorEvent, Lane
+from client.scripts import KEEPING_LANES
 from client.store import CONSUMER_GROUP, Scripts
 from client.tracing import configure_from_env
 from worker.cancels import CancelListener
@@ -243,7 +244,8 @@ class Worker:
         or that were handed back; returns how many were claimed."""
         taken = 0
         for (partition, lane), entry_ids in self.runs.preempted.items():  # first what this worker preempted
-            resumable, self.runs.preempted[partition, lane] = entry_ids[: free - taken], entry_ids[free - taken :]
+            room = self._room(free - taken, lane)
+            resumable, self.runs.preempted[partition, lane] = entry_ids[:room], entry_ids[room:]
             taken += await self._start_claimed(partition, lane, await partition.leases[lane].reclaim(resumable))
         now = asyncio.get_running_loop().time()
         if now < self._next_claim:
@@ -252,8 +254,16 @@ class Worker:
         order = self.partitions.rotation()
         for lane in LANES:  # highest lane first
             for partition in order:
-                taken += await self._start_claimed(partition, lane, await partition.leases[lane].claim(free - taken))
+                room = self._room(free - taken, lane)
+                if room > 0:
+                    taken += await self._start_claimed(partition, lane, await partition.leases[lane].claim(room))
         return taken
+
+    def _room(self, free: int, lane: Lane) -> int:
+        """The free slots a claimed or resumed request of `lane` may take: a request moved to run already belongs to
+        a tenant with something running, so not the kept ones (`LLMQ_IDLE_TENANT_SLOTS`) but on the lanes that
+        ignore them."""
+        return max(0, free - self.settings.idle_tenant_slots) if lane in KEEPING_LANES else free
 
     async def _start_claimed(self, partition: Partition, lane: Lane, claimed: list[Claimed]) -> int:
         if claimed:
@@ -267,7 +277,7 @@ class Worker:
         return pick_victim(self.runs.live(), self.runs.by_lane(), self._reserved, self.settings.max_preemptions)
 
     async def _preempt_for_interactive(self) -> None:
-        """A full engine running preemptible work: wait (briefly, so a freed slot is noticed soon too) for an
+        """A full engine running preemptible work: wait (briefly, and no longer than until a run ends) for an
         interactive request and take it (so no other worker preempts for it as well). Only once the engine has
         accepted it and it waits for a slot (not refused, expired or cancelled), cancel the victim `pick_victim`
         names, whose slot goes to the urgent request at once, then hand the victim back once its output is
@@ -276,7 +286,9 @@ class Worker:
         block_ms = max(1, min(self.settings.read_block_ms, _PREEMPTIVE_WAIT_MS) // len(order))
         for index, partition in enumerate(order):
             block = block_ms if index == len(order) - 1 else None
-            decisions = await partition.intake.read(1, [("interactive", 1)], block_ms=block, report=False)
+            decisions = await partition.intake.read(
+                1, [("interactive", 1)], block_ms=block, report=False, freed=self.runs.freed
+            )
             if decisions:
                 break
         else:

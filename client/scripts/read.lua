@@ -216,12 +216,46 @@ end
 -- while another floods the fleet), and the entries moved for them are noted in `kept` (read here, never assigned
 -- away). Returns how many moved.
 local kept = {}
+
+-- Whether the lane's stream holds entries no worker has read (its group has not delivered its newest): a move
+-- goes behind them, so the next read would take one of them instead (entries without a tenant, from clients of
+-- the last release, or added while no worker read the partition).
+local function unread(lane)
+  local newest = redis.call('XREVRANGE', KEYS[lane], '+', '-', 'COUNT', 1)[1]
+  if not newest then
+    return false
+  end
+  for _, info in ipairs(redis.call('XINFO', 'GROUPS', KEYS[lane])) do
+    local name, delivered
+    for j = 1, #info - 1, 2 do
+      if info[j] == 'name' then
+        name = info[j + 1]
+      elseif info[j] == 'last-delivered-id' then
+        delivered = info[j + 1]
+      end
+    end
+    if name == group then  -- the newest entry came after the last one delivered (which may be deleted since)
+      local ms, seq = string.match(newest[1], '^(%d+)-(%d+)')
+      local delivered_ms, delivered_seq = string.match(delivered, '^(%d+)-(%d+)')
+      ms, delivered_ms = tonumber(ms), tonumber(delivered_ms)
+      return ms > delivered_ms or (ms == delivered_ms and tonumber(seq) > tonumber(delivered_seq))
+    end
+  end
+  return true
+end
+
 local function promote(lane, count, room, keep)
   local base = lanes + 6 + 4 * (lane - 1)
   local held, order, fair, idle = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
-  local moved = 0
+  local moved, behind = 0, nil
   while moved < count do
     local idle_only = room - moved <= keep
+    if idle_only and behind == nil then
+      behind = unread(lane)
+    end
+    if idle_only and behind then
+      break  -- a kept slot is for a quiet tenant's request, never for what waits unread on the stream
+    end
     local tenant, vtime, in_order = pick(fair, idle_only)
     if not tenant then
       break

@@ -42,7 +42,7 @@ REDIS_WORDS = {
     *("EXPIRE", "MAXLEN", "XACK", "XDEL", "XREADGROUP", "GROUP", "COUNT", "STREAMS", "XREVRANGE"),
     *("HKEYS", "HDEL", "TIME", "ZADD", "ZRANGE", "ZREM", "WITHSCORES", "XRANGE", "PEXPIRE", "HGET"),
     *("ZRANGEBYSCORE", "-inf", "LIMIT", "ZSCORE", "ZRANGEBYLEX", "PX", "ZCARD", "[", "(", "\\0", "\\1"),
-    *("GET", "ZREMRANGEBYSCORE"),
+    *("GET", "ZREMRANGEBYSCORE", "XINFO", "GROUPS", "name", "last-delivered-id"),
     *("", "*", "~", ">", "+", "-", "0", "0-0", " ", "table", "\\n"),  # "table": a Lua type name
     # Lua string patterns, which parse `read.lua`'s own records (its affinity set's members, its workers' reports)
     *("^(%-?%d+) (%d+)", "^(%S+) (%S+) (%d+) (%S+)"),

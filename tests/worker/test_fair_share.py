@@ -212,15 +212,19 @@ async def test_the_interactive_lane_takes_a_kept_slot(conn: aioredis.Redis, clie
 
 async def test_entries_on_the_stream_take_only_open_slots(conn: aioredis.Redis, client: AsyncClient) -> None:
     """Entries a client added straight to the stream (no worker read lately, so nothing was held) carry no
-    fair-share state: a kept slot is not theirs."""
+    fair-share state: a kept slot is not theirs. Nor does a quiet tenant's request move for it while they wait
+    unread: it would go behind them, and the next read would take one of them."""
     lib = Scripts.register(conn)
     await read(lib, 1)
     await conn.delete(KEYS.fair_readers)  # no reader lately: a client adds to the stream itself
     await flood(client, "a", 3)
     assert await conn.xlen(KEYS.lane("default")) == 3
-    assert await read_kept(lib, 2, keep=1) == ["a-0"]
+    assert await read_kept(lib, 2, keep=1) == ["a-0"]  # the read marks the readers: clients hold from now on
     assert await read_kept(lib, 1, keep=1) == []
-    assert await read_kept(lib, 3, keep=1) == ["a-1", "a-2"]
+    await flood(client, "q", 1)
+    assert await read_kept(lib, 1, keep=1) == []  # q waits held, not behind a-1 and a-2
+    assert await conn.xlen(KEYS.held("default")) == 1
+    assert await read_kept(lib, 3, keep=1) == ["a-1", "a-2", "q-0"]  # the stream read, q takes the kept slot
 
 
 async def test_cache_affinity_hears_only_the_open_slots(conn: aioredis.Redis) -> None:
