@@ -143,9 +143,10 @@ local function count_field(tenant, what)  -- a field of `Keys.tenant_counts`
   return tenant .. '|' .. what
 end
 
-local function quota(tenant)
+local function quota(tenant, packed)  -- `packed`: its limits, when read already
   if quotas[tenant] == nil then
-    local _, _, max_running, rate = string.match(redis.call('HGET', limits, tenant) or '', '^(%d+) (%d+) (%d+) (%d+)')
+    packed = packed or redis.call('HGET', limits, tenant) or ''
+    local _, _, max_running, rate = string.match(packed, '^(%d+) (%d+) (%d+) (%d+)')
     quotas[tenant] = {tonumber(max_running) or 0, tonumber(rate) or 0}
   end
   return quotas[tenant][1], quotas[tenant][2]
@@ -174,35 +175,84 @@ for _, member in ipairs(redis.call('ZRANGEBYSCORE', running, '-inf', now, 'LIMIT
   add(string.match(member, '^[^%z]*'), ${COUNT_RUNNING}, -1)
 end
 
+-- The tenants with a rate (the only ones that may be reserved), with every tenant's quotas, read once per call:
+-- an operator sets them, so they are few beside the tenants that submit.
+local rated
+local function rated_tenants()
+  if rated == nil then
+    rated = {}
+    local names_of = redis.call('HKEYS', limits)
+    for first = 1, #names_of, 512 do  -- HMGET a slice at a time: Lua unpacks a few thousand values at most
+      local last = math.min(first + 511, #names_of)
+      local packed = redis.call('HMGET', limits, unpack(names_of, first, last))
+      for i = first, last do
+        quotas[names_of[i]] = nil
+        if select(2, quota(names_of[i], packed[i - first + 1])) > 0 then
+          rated[#rated + 1] = names_of[i]
+        end
+      end
+    end
+  end
+  return rated
+end
+
+-- Whether a tenant may have a request moved now (not at its running quota; for a kept slot, nothing running), and
+-- its rate.
+local function may_run(tenant, idle_only)
+  local max_running, rate = quota(tenant)
+  if max_running == 0 and not idle_only then
+    return true, rate
+  end
+  local busy = tonumber(redis.call('HGET', tallies, count_field(tenant, ${COUNT_RUNNING}))) or 0
+  return (busy == 0 or not idle_only) and (max_running == 0 or busy < max_running), rate
+end
+
 -- The tenant whose oldest held entry runs next, its virtual time, and whether it was chosen by virtual time (not
 -- for its reserved rate, nor as overflow, nor for a kept slot: the lane's clock follows only those). Without quotas,
 -- the least virtual time. With them, a tenant at its running quota waits; one within its rate (reserved capacity)
 -- goes first, the least virtual time of those; then tenants without a rate; then those past their rate (overflow:
 -- only while no one else waits). For a kept slot (`idle_only`), only a tenant with nothing running may be chosen.
+-- In fair order the look stops at the first tenant that may run without a rate: the tenants passed over before it
+-- each have a request running or a rate, so it looks at no more than the running requests and the rated tenants,
+-- however many tenants wait.
 local function pick(fair, idle_only)
   if not limited and not idle_only then
     local first = redis.call('ZRANGE', fair, 0, 0, 'WITHSCORES')
     return first[1], tonumber(first[2]), true
   end
-  local tenants = redis.call('ZRANGE', fair, 0, -1, 'WITHSCORES')
-  local shared, overflow
-  for i = 1, #tenants, 2 do
-    local tenant = tenants[i]
-    local max_running, rate = quota(tenant)
-    local busy = tonumber(redis.call('HGET', tallies, count_field(tenant, ${COUNT_RUNNING}))) or 0
-    if (busy == 0 or not idle_only) and (max_running == 0 or busy < max_running) then
-      if rate == 0 then
-        shared = shared or i
-      elseif bucket(tenant, rate) >= 1 then
-        return tenant, tonumber(tenants[i + 1]), false
-      else
-        overflow = overflow or i
+  if limited then
+    local best, best_time
+    for _, tenant in ipairs(rated_tenants()) do
+      local vtime = tonumber(redis.call('ZSCORE', fair, tenant))
+      if vtime and (best_time == nil or vtime < best_time) then
+        local ok, rate = may_run(tenant, idle_only)
+        if ok and bucket(tenant, rate) >= 1 then
+          best, best_time = tenant, vtime
+        end
       end
     end
+    if best then
+      return best, best_time, false
+    end
   end
-  local chosen = shared or overflow
-  if chosen then
-    return tenants[chosen], tonumber(tenants[chosen + 1]), chosen == shared and not idle_only
+  local overflow, overflow_time
+  local most = redis.call('ZCARD', running) + (limited and #rated_tenants() or 0) + 1
+  for first = 0, most - 1, 64 do
+    local tenants = redis.call('ZRANGE', fair, first, math.min(first + 63, most - 1), 'WITHSCORES')
+    for i = 1, #tenants, 2 do
+      local ok, rate = may_run(tenants[i], idle_only)
+      if ok and rate == 0 then
+        return tenants[i], tonumber(tenants[i + 1]), not idle_only
+      elseif ok and overflow == nil then  -- past its rate, or it would have been reserved above
+        overflow, overflow_time = tenants[i], tonumber(tenants[i + 1])
+      end
+    end
+    if #tenants < 128 then
+      break
+    end
+  end
+  if overflow then
+    return overflow, overflow_time, false
   end
   return nil, nil, false
 end
@@ -247,12 +297,9 @@ end
 local function promote(lane, count, room, keep)
   local base = lanes + 6 + 4 * (lane - 1)
   local held, order, fair, idle = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
-  local moved, behind = 0, nil
+  local moved, behind = 0, keep > 0 and unread(lane)  -- before this call's moves, which the caller reads next
   while moved < count do
     local idle_only = room - moved <= keep
-    if idle_only and behind == nil then
-      behind = unread(lane)
-    end
     if idle_only and behind then
       break  -- a kept slot is for a quiet tenant's request, never for what waits unread on the stream
     end

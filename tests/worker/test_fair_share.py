@@ -202,6 +202,14 @@ async def test_a_kept_slot_goes_only_to_a_tenant_with_nothing_running(
     assert await read_kept(lib, 3, keep=0) == ["b-1", "a-2", "a-3"]  # nothing kept: every free slot, fair order
 
 
+async def test_one_read_fills_an_open_slot_and_a_kept_one(conn: aioredis.Redis, client: AsyncClient) -> None:
+    lib = Scripts.register(conn)
+    await read(lib, 1)
+    await flood(client, "a", 3)
+    await flood(client, "b", 1)
+    assert await read_kept(lib, 2, keep=1) == ["a-0", "b-0"]  # a's turn in fair order (a tie, by name), then b's
+
+
 async def test_the_interactive_lane_takes_a_kept_slot(conn: aioredis.Redis, client: AsyncClient) -> None:
     lib = Scripts.register(conn)
     await read(lib, 1)  # a worker of this release reads: clients hold tenants' requests from now on
