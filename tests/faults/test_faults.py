@@ -53,9 +53,21 @@ def test_kill_9_the_holders_of_shared_prompt_starts(cluster: Cluster) -> None:
     assert_nothing_lost(report)
 
 
-def test_kill_9_workers_under_tenant_quotas(cluster: Cluster) -> None:
+@pytest.mark.parametrize("kept", [0, 2], ids=["every slot open", "kept slots"])
+def test_kill_9_workers_under_tenant_quotas(tmp_path: Path, model_dir: Path, kept: int) -> None:
     """Tenants under quotas through kill -9s: every request answered once, each counted once in the tenants'
-    usage, and no queued or running count left over (a killed worker's requests resume under the same count)."""
+    usage, and no queued or running count left over (a killed worker's requests resume under the same count).
+    With kept slots too, whose claims and moves take other paths."""
+    cluster = Cluster(tmp_path, model_dir, flags={"--idle-tenant-slots": kept})
+    for name in ("w0", "w1", "w2"):
+        cluster.start_worker(name)
+    try:
+        check_tenants_through_kills(cluster)
+    finally:
+        cluster.close()
+
+
+def check_tenants_through_kills(cluster: Cluster) -> None:
     tenants = {
         "capped": TenantLimits(max_running=2),
         "rated": TenantLimits(tokens_per_minute=3000),
