@@ -263,9 +263,10 @@ end
 -- move in fair order (a tenant that starts holding again starts there). Each move updates the tenant's quota state: queued down,
 -- running up (until the request's final event), its rate's bucket down by the cost. `room` is this worker's free
 -- slots: the last `keep` of them go only to tenants with nothing running (so a quiet tenant's request starts at once
--- while another floods the fleet), and the entries moved for them are noted in `kept` (read here, never assigned
--- away). Returns how many moved.
-local kept = {}
+-- while another floods the fleet). With slots kept, every entry moved for a tenant that had nothing running is noted
+-- in `stays` (read here, never assigned away: a worker whose open slots are full would leave it waiting for one,
+-- though a kept slot is free here). Returns how many moved.
+local stays = {}
 
 -- Whether the lane's stream holds entries no worker has read (its group has not delivered its newest): a move
 -- goes behind them, so the next read would take one of them instead (entries without a tenant, from clients of
@@ -315,7 +316,9 @@ local function promote(lane, count, room, keep)
       if entry then
         local moved_id = redis.call('XADD', KEYS[lane], '*', unpack(entry[2]))
         redis.call('XDEL', held, id)
-        kept[moved_id] = idle_only or nil
+        if keep > 0 and (idle_only or not redis.call('HGET', tallies, count_field(tenant, ${COUNT_RUNNING}))) then
+          stays[moved_id] = true
+        end
         local weight = tonumber(redis.call('HGET', weights, tenant)) or 1
         local estimate = tonumber(field(entry[2], ${COST_FIELD})) or 0  -- as `submit.lua` counted it
         local cost = math.max(estimate, 1)
@@ -476,7 +479,7 @@ for i = 10 + lanes, #ARGV - 3, 4 do
       break
     end
     for _, entry in ipairs(entries) do
-      if not (routed and wait > 0 and not kept[entry[1]] and assign(lane, entry[1], entry[2])) then
+      if not (routed and wait > 0 and not stays[entry[1]] and assign(lane, entry[1], entry[2])) then
         read[#read + 1] = {lane, entry[1], entry[2]}
         wanted, free = wanted - 1, free - 1
       end

@@ -5,6 +5,7 @@ moves held requests reads the queue, each tenant's requests are held and move to
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
@@ -233,6 +234,21 @@ async def test_entries_on_the_stream_take_only_open_slots(conn: aioredis.Redis, 
     assert await read_kept(lib, 1, keep=1) == []  # q waits held, not behind a-1 and a-2
     assert await conn.xlen(KEYS.held("default")) == 1
     assert await read_kept(lib, 3, keep=1) == ["a-1", "a-2", "q-0"]  # the stream read, q takes the kept slot
+
+
+async def test_a_quiet_tenants_request_runs_where_it_moved_not_at_a_full_holder(
+    conn: aioredis.Redis, client: AsyncClient
+) -> None:
+    """With slots kept, a request of a tenant with nothing running is never given to its key's holder by cache
+    affinity: a holder whose open slots are full would leave it waiting for one, though a slot is free here."""
+    lib = Scripts.register(conn)
+    routing = Routing(wait_ms=50)
+    await read_kept(lib, 1, keep=1, routing=routing)  # clients hold from now on
+    await conn.hset(KEYS.affinity_workers, "other", f"0 {int(time.time() * 1000)}")  # live, no open slot
+    await conn.hset(KEYS.affinity_loads, "w", 5)  # a new key goes to the worker holding fewer: "other"
+    await flood(client, "q", 1)
+    assert await read_kept(lib, 2, keep=1, routing=routing) == ["q-0"]  # moved in its turn, read here
+    assert await conn.zcard(KEYS.affinity_assigned) == 0
 
 
 async def test_cache_affinity_hears_only_the_open_slots(conn: aioredis.Redis) -> None:
