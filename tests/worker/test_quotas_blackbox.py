@@ -358,7 +358,10 @@ async def test_status_shows_shares_and_removing_max_running_lets_held_requests_r
         return (now["qa"].running, sum(now["qa"].held.values()), now["qb"].running) == (1, 2, 3)
 
     await wait_until(settled, 10)
-    assert worker.worker.engine.stats().running == 4  # two slots free, and qa's held ones still wait
+    engine = worker.worker.engine
+    await wait_until(lambda: engine.stats().running == 4, 10)  # counted when moved, started once admitted: after
+    await asyncio.sleep(0.3)  # three steps: a fifth would have started by now
+    assert engine.stats().running == 4 and await settled()  # two slots free, and qa's held ones still wait
     rc, out, err = await llmq(redis_url, "status")
     assert rc == 0, (out, err)
     assert "tenants: 2 with requests held or running" in out, out
