@@ -237,8 +237,9 @@ local function pick(fair, idle_only)
   end
   local overflow, overflow_time
   local most = redis.call('ZCARD', running) + (limited and #rated_tenants() or 0) + 1
-  for first = 0, most - 1, 64 do
-    local tenants = redis.call('ZRANGE', fair, first, math.min(first + 63, most - 1), 'WITHSCORES')
+  local slice = 64  -- tenants read per ZRANGE: most looks end in the first
+  for first = 0, most - 1, slice do
+    local tenants = redis.call('ZRANGE', fair, first, math.min(first + slice - 1, most - 1), 'WITHSCORES')
     for i = 1, #tenants, 2 do
       local ok, rate = may_run(tenants[i], idle_only)
       if ok and rate == 0 then
@@ -247,7 +248,7 @@ local function pick(fair, idle_only)
         overflow, overflow_time = tenants[i], tonumber(tenants[i + 1])
       end
     end
-    if #tenants < 128 then
+    if #tenants < 2 * slice then  -- tenant, score pairs: fewer than asked, the fair set has no more
       break
     end
   end
@@ -257,16 +258,7 @@ local function pick(fair, idle_only)
   return nil, nil, false
 end
 
--- Fair share between tenants: moves up to `count` held entries of `lane` to its stream, each time the oldest of
--- the tenant `pick` chooses, whose virtual time then grows by the entry's cost (`COST_FIELD`, less what its finished
--- requests did not use: their refund) over the tenant's weight; the lane's clock is the virtual time of the latest
--- move in fair order (a tenant that starts holding again starts there). Each move updates the tenant's quota state: queued down,
--- running up (until the request's final event), its rate's bucket down by the cost. `room` is this worker's free
--- slots: the last `keep` of them go only to tenants with nothing running (so a quiet tenant's request starts at once
--- while another floods the fleet). With slots kept, every entry moved for a tenant that had nothing running is noted
--- in `stays` (read here, never assigned away: a worker whose open slots are full would leave it waiting for one,
--- though a kept slot is free here). Returns how many moved.
-local stays = {}
+local stays = {}  -- entries moved for quiet tenants, read here (see `promote`)
 
 -- Whether the lane's stream holds entries no worker has read (its group has not delivered its newest): a move
 -- goes behind them, so the next read would take one of them instead (entries without a tenant, from clients of
@@ -295,6 +287,16 @@ local function unread(lane)
   return true
 end
 
+
+-- Fair share between tenants: moves up to `count` held entries of `lane` to its stream, each time the oldest of
+-- the tenant `pick` chooses, whose virtual time then grows by the entry's cost (`COST_FIELD`, less what its finished
+-- requests did not use: their refund) over the tenant's weight; the lane's clock is the virtual time of the latest
+-- move in fair order (a tenant that starts holding again starts there). Each move updates the tenant's quota state: queued down,
+-- running up (until the request's final event), its rate's bucket down by the cost. `room` is this worker's free
+-- slots: the last `keep` of them go only to tenants with nothing running (so a quiet tenant's request starts at once
+-- while another floods the fleet). With slots kept, every entry moved for a tenant that had nothing running is noted
+-- in `stays` (read here, never assigned away: a worker whose open slots are full would leave it waiting for one,
+-- though a kept slot is free here). Returns how many moved.
 local function promote(lane, count, room, keep)
   local base = lanes + 6 + 4 * (lane - 1)
   local held, order, fair, idle = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3], KEYS[base + 4]
