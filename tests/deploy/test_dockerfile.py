@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.support import ROOT
+from worker.engine.kernels import cpu_kernels
 
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 MAKEFILE = (ROOT / "Makefile").read_text()
@@ -109,9 +110,10 @@ def test_the_runtime_looks_up_the_kernels_where_the_build_stage_put_them() -> No
     assert (None, "deploy/docker/llmq-cc-none", runtime["CC"]) in copies("cpu")
     assert (None, "deploy/docker/llmq-cc-gcc", runtime["CC"]) in copies("cpu-compiler")
     assert runtime["PATH"].startswith("/opt/llmq/bin:") and build["PATH"] == runtime["PATH"]
-    # The build stage builds both kernels and fails if it could not.
+    # The build stage builds every kernel (the bfloat16 ones where the CPU has bfloat16) and fails if it could not.
     assert "k.load() is not None" in stages()["cpu-build"] and "k.rms_norm(" in stages()["cpu-build"]
-    assert re.search(r'ls "\$XDG_CACHE_HOME"/llmq/kernels/\*\.so \| wc -l\)" -eq 2', stages()["cpu-build"])
+    assert "k.load(torch.bfloat16) is not None and k.few_rows() is not None" in stages()["cpu-build"]
+    assert re.search(r'ls "\$XDG_CACHE_HOME"/llmq/kernels/\*\.so \| wc -l\)" -ge 2', stages()["cpu-build"])
 
 
 def test_the_build_context_carries_the_wrappers() -> None:
@@ -136,13 +138,13 @@ def test_a_compilerless_runtime_uses_the_kernels_the_build_stage_compiled(tmp_pa
     compiler = bin_dir / "llmq-cc"  # the same path in both "stages", as in the Dockerfile
     base = {"HOME": str(tmp_path), "XDG_CACHE_HOME": str(cache), "CC": str(compiler), "PYTHONPATH": str(ROOT)}
 
-    # The build stage: the wrapper runs gcc; the Dockerfile's own command builds both kernels.
+    # The build stage: the wrapper runs gcc; the Dockerfile's own command builds the kernels (four with bfloat16).
     shutil.copy2(WRAPPERS / "llmq-cc-gcc", compiler)
     gcc_dir = str(Path(shutil.which("gcc") or "").parent)
     built = _python(build_command, {**base, "PATH": f"{bin_dir}:{gcc_dir}:/bin"})
     assert built.returncode == 0, built.stderr
     kernels = sorted(cache.glob("llmq/kernels/*.so"))
-    assert len(kernels) == 2, kernels
+    assert len(kernels) == (4 if cpu_kernels.native_bfloat16() else 2), kernels
     stamps = [path.stat().st_mtime_ns for path in kernels]
 
     # The runtime stage: no compiler (the wrapper fails if called). The same CPU finds both kernels built; another

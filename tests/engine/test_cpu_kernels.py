@@ -140,7 +140,7 @@ async def test_engine_decode_paths_match_generate(
     """Decode rows go to the kernel, or, where it cannot be built, through the padded SDPA groups; either way the
     outputs are `generate`'s."""
     if path == "torch":
-        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+        monkeypatch.setattr(cpu_kernels, "load", lambda *_: None)
     reference_model, _ = load(llama_dir)
     engine = await make_engine(llama_dir, max_batch_tokens=32)
     plans: list[Any] = []

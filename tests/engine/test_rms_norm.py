@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from worker.engine import lean_layers
 from worker.engine.kernels import cpu_kernels
@@ -111,8 +112,12 @@ def test_without_a_working_compiler_rms_norm_falls_back_to_torch(
     _assert_bits(norm(x, weight, 1e-5), torch.rms_norm(x, (64,), weight, 1e-5))
 
 
-def test_lean_layers_keep_torch_rms_norm_for_other_dtypes() -> None:
+def test_lean_layers_keep_the_library_rms_norm_for_other_dtypes() -> None:
+    """In bfloat16 the library rounds the normed rows before the weight multiplies them; `torch.rms_norm` does not."""
     norm = lean_layers._rms_norm(64, torch.bfloat16)
     assert not isinstance(norm, cpu_kernels.RmsNorm)
-    x, weight = torch.randn(3, 64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
-    _assert_bits(norm(x, weight, 1e-5), torch.rms_norm(x, (64,), weight, 1e-5))
+    x, weight = torch.randn(300, 64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
+    library = LlamaRMSNorm(64, eps=1e-5)
+    library.weight = torch.nn.Parameter(weight)
+    _assert_bits(norm(x, weight, 1e-5), library(x))
+    assert not torch.equal(norm(x, weight, 1e-5), torch.rms_norm(x, (64,), weight, 1e-5))

@@ -20,6 +20,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from worker.engine import lean_layers
 from worker.engine.kernels import cpu_kernels
@@ -634,15 +635,18 @@ def test_lean_layers_use_native_for_float32(width: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
-def test_lean_layers_other_dtypes_use_torch(dtype: torch.dtype) -> None:
+def test_lean_layers_other_dtypes_use_the_library_arithmetic(dtype: torch.dtype) -> None:
+    """Float32 inside, rounded to the rows' dtype, then times the weight: `LlamaRMSNorm.forward`'s steps."""
     width = 64
     norm = lean_layers._rms_norm(width, dtype)
     assert not isinstance(norm, cpu_kernels.RmsNorm)
     x = mixed_rows(65, width, 1, spread=1.0).to(dtype)
     weight = weight_for(width, 1).to(dtype)
     out = norm(x, weight, 1e-6)
-    expected = torch.rms_norm(x, (width,), weight, 1e-6)
-    assert out.dtype == dtype
+    library = LlamaRMSNorm(width, eps=1e-6).to(dtype)
+    library.weight = torch.nn.Parameter(weight)
+    expected = library(x)
+    assert out.dtype == expected.dtype
     torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
 
 

@@ -74,10 +74,15 @@ def paged_attention(
     heads, total_q, head_dim = query.shape[1], query.shape[2], query.shape[3]
     output = query.new_empty(1, total_q, heads, head_dim)
     native = paged.plan.native
-    if native is not None:  # every decode row, read in place
+    if native is not None:  # every decode row, read in place; queries and sums in float32 whatever the cache holds
         rows_first = query[0].transpose(0, 1)
         scale = head_dim**-0.5 if scaling is None else scaling
-        native.kernel(rows_first.contiguous(), paged.keys, paged.values, native.rows, scale, output[0])
+        if query.dtype == torch.float32:
+            native.kernel(rows_first.contiguous(), paged.keys, paged.values, native.rows, scale, output[0])
+        else:  # the prefill chunks below overwrite their own rows
+            wide = torch.empty(output.shape[1:], dtype=torch.float32)
+            native.kernel(rows_first.float().contiguous(), paged.keys, paged.values, native.rows, scale, wide)
+            output[0].copy_(wide)
     for group in paged.plan.decode:
         output[0].index_copy_(0, group.rows, decode_attention(query, group, paged, scaling))
     read_index = paged.plan.read_index

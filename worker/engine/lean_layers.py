@@ -149,11 +149,22 @@ def _lean_forward(layer: Any, library_forward: Any, rotary: RotaryTables) -> Any
 
 def _rms_norm(width: int, dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
     """RMSNorm over rows of `width` as `(x, weight, eps) -> normed`: the native one for float32 where it reproduces
-    torch's here (one call instead of seven ops: about 3 % of a SmolLM2 decode step), else `torch.rms_norm`."""
-    native = cpu_kernels.rms_norm(width) if dtype == torch.float32 else None
+    torch's here (one call instead of seven ops: about 3 % of a SmolLM2 decode step), else `torch.rms_norm`. In
+    another dtype (bfloat16) the library's own steps: it rounds the normed rows before the weight multiplies them,
+    where `torch.rms_norm` rounds once at the end, and a bit's difference there moves greedy outputs."""
+    if dtype != torch.float32:
+        return _library_rms_norm
+    native = cpu_kernels.rms_norm(width)
     if native is not None:
         return native
     return lambda x, weight, eps: torch.rms_norm(x, (width,), weight, eps)
+
+
+def _library_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`LlamaRMSNorm.forward`'s arithmetic: float32 inside, rounded to `x`'s dtype, then times the weight."""
+    wide = x.float()
+    normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
 
 
 def layer_products(layer: Any) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
@@ -171,7 +182,7 @@ def layer_products(layer: Any) -> list[tuple[Callable[[torch.Tensor], torch.Tens
 
 def _stacked(*linears: PackedLinear) -> Callable[[torch.Tensor], torch.Tensor]:
     """Linear layers that read the same input as one function of it, their outputs side by side: one product where
-    they stack (float32), else each its own (int8) and the outputs concatenated."""
+    they stack (float32, bfloat16), else each its own (int8) and the outputs concatenated."""
     if StackedLinears.stackable(linears):
         return StackedLinears(linears)
     projections = [_projection(linear) for linear in linears]
@@ -179,7 +190,7 @@ def _stacked(*linears: PackedLinear) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _projection(linear: PackedLinear) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`linear` as a function of 2-D float32 rows: a float32 layer straight to the oneDNN kernel (no module call, no
+    """`linear` as a function of 2-D rows: a pre-packed layer straight to the oneDNN kernel (no module call, no
     reshapes); another kind (int8) through its own forward."""
     if type(linear) is not PackedLinear:
         return linear

@@ -246,7 +246,7 @@ def start(model: Any, sizing: EngineConfig, eos_token_ids: tuple[int, ...], hook
         install_prompt_scoring(manager, model, hooks.prompt_scores)
     kernel, paged = None, False
     if _runs_our_attention_on_cpu(model):
-        kernel = cpu_kernels.load()
+        kernel = cpu_kernels.load(model.dtype)  # the cache holds the model's dtype
         paged = install_paged_reads(processor.cache, kernel)
     hooks.counters.paths = engine_paths(model, paths.varlen_attention, lean, paged, kernel is not None)
     _count_steps(manager, hooks.counters)

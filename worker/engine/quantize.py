@@ -26,7 +26,7 @@ from typing import Any, Self
 import torch
 from torch import nn
 
-from worker.engine.prepack import DerivedWeights, PackedLinear, swap_float32_linears
+from worker.engine.prepack import DerivedWeights, PackedLinear, swap_linears
 from worker.engine.prepack import available as prepack_available
 
 INT8_MAX_ROWS = 32  # up to here (decode steps) int8 is faster; beyond, pre-packed float32 is
@@ -79,4 +79,4 @@ def quantize_int8(model: Any) -> int:
     def convertible(linear: nn.Linear) -> bool:
         return not isinstance(linear, Int8Linear) and linear is not head and linear.in_features % _K_MULTIPLE == 0
 
-    return swap_float32_linears(model, Int8Linear.wrap, convertible)
+    return swap_linears(model, Int8Linear.wrap, convertible)

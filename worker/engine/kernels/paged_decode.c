@@ -9,13 +9,33 @@
  * decode step's attention from ~49 to ~28 ms (`python -m bench.step_profile --kernel-source`, README).
  *
  * Built at first use with the machine's C compiler (-O3 -march=native -fopenmp); OpenMP resolves to the runtime
- * torch already loaded, so this shares torch's threads.
+ * torch already loaded, so this shares torch's threads. Built a second time with -DLLMQ_KV_BFLOAT16 for a bfloat16
+ * cache (`LLMQ_DTYPE=bfloat16`): `llmq_paged_decode_bf16` reads bfloat16 keys and values, widened to float32 as they
+ * are loaded (exact), and takes float32 queries and output like the float32 one; everything else is the same code.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+
+#if defined(LLMQ_KV_BFLOAT16)
+#include "bfloat16.h"
+typedef uint16_t kv_t;
+static inline float kv_float(kv_t value) { return bf16_to_float(value); }
+#if defined(__AVX512F__)
+static inline __m512 kv_load16(const kv_t *row) /* 16 bfloat16 -> 16 float32 */
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)row)), 16));
+}
+#endif
+#else
+typedef float kv_t;
+static inline float kv_float(kv_t value) { return value; }
+#if defined(__AVX512F__)
+static inline __m512 kv_load16(const kv_t *row) { return _mm512_loadu_ps(row); }
+#endif
 #endif
 
 /* e^x for x <= 0 (scores minus their maximum), written so the compiler vectorizes it: x = n ln2 + r with
@@ -44,9 +64,9 @@ static inline float exp_nonpositive(float x)
  * one to the next: each pass asks for the rows it reads PREFETCH_AHEAD keys later (10-15 % less kernel time in a
  * step, whose matrix products have just pushed the cache rows out of the CPU's caches). */
 #define PREFETCH_AHEAD 16
-static inline void prefetch_row(const float *row, int64_t floats)
+static inline void prefetch_row(const kv_t *row, int64_t elements)
 {
-    for (int64_t byte = 0; byte < floats * (int64_t)sizeof(float); byte += 64)
+    for (int64_t byte = 0; byte < elements * (int64_t)sizeof(kv_t); byte += 64)
         __builtin_prefetch((const char *)row + byte, 0, 3);
 }
 
@@ -55,18 +75,18 @@ static inline void prefetch_row(const float *row, int64_t floats)
 #define TILE 4
 
 /* scores[u * length + t] = scale * (query u . key t) for `n` query heads of one KV head (`keys` points at it). */
-static inline __attribute__((always_inline)) void tile_scores(const float *restrict query, const float *restrict keys,
+static inline __attribute__((always_inline)) void tile_scores(const float *restrict query, const kv_t *restrict keys,
                                                               const int64_t *restrict cache_rows, int64_t length,
                                                               int64_t cache_stride, float scale,
                                                               float *restrict scores, const int n, const int head_dim)
 {
     for (int64_t t = 0; t < length; t++) {
-        const float *restrict key = keys + cache_rows[t] * cache_stride;
+        const kv_t *restrict key = keys + cache_rows[t] * cache_stride;
         for (int u = 0; u < n; u++) {
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int j = 0; j < head_dim; j++)
-                dot += query[u * head_dim + j] * key[j];
+                dot += query[u * head_dim + j] * kv_float(key[j]);
             scores[u * length + t] = dot * scale;
         }
     }
@@ -94,14 +114,14 @@ static inline __m512 sum_each(const __m512 v[16])
 /* Every query head's scores over one request's keys, 16 keys at a time: each dot product stays a vector of partial
  * sums until the 16 are summed together (`sum_each`), and a block's keys stay in L1 across the heads. A last, short
  * block repeats its last key and stores only its own lanes. For head_dim a multiple of 16. */
-static void scores_blocked(const float *restrict query, const float *restrict keys,
+static void scores_blocked(const float *restrict query, const kv_t *restrict keys,
                            const int64_t *restrict cache_rows, int64_t length, int heads, int group, int head_dim,
                            int64_t cache_stride, float scale, float *restrict scores)
 {
     const __m512 scale_v = _mm512_set1_ps(scale);
     for (int64_t first = 0; first < length; first += 16) {
         const int count = length - first < 16 ? (int)(length - first) : 16;
-        const float *rows[16];
+        const kv_t *rows[16];
         for (int i = 0; i < 16; i++)
             rows[i] = keys + cache_rows[first + (i < count ? i : count - 1)] * cache_stride;
         for (int64_t t = first + 16; t < first + 16 + PREFETCH_AHEAD && t < length; t++)
@@ -112,11 +132,11 @@ static void scores_blocked(const float *restrict query, const float *restrict ke
             __m512 acc[16];
             __m512 chunk = _mm512_loadu_ps(q);
             for (int i = 0; i < 16; i++)
-                acc[i] = _mm512_mul_ps(chunk, _mm512_loadu_ps(rows[i] + head_offset));
+                acc[i] = _mm512_mul_ps(chunk, kv_load16(rows[i] + head_offset));
             for (int c = 16; c < head_dim; c += 16) {
                 chunk = _mm512_loadu_ps(q + c);
                 for (int i = 0; i < 16; i++)
-                    acc[i] = _mm512_fmadd_ps(chunk, _mm512_loadu_ps(rows[i] + head_offset + c), acc[i]);
+                    acc[i] = _mm512_fmadd_ps(chunk, kv_load16(rows[i] + head_offset + c), acc[i]);
             }
             _mm512_mask_storeu_ps(scores + h * length + first, (__mmask16)((1u << count) - 1),
                                   _mm512_mul_ps(sum_each(acc), scale_v));
@@ -128,7 +148,7 @@ static void scores_blocked(const float *restrict query, const float *restrict ke
 /* Columns [0, width) of out[u] (rows `head_dim` apart) = the sum over t of weights[u * length + t] * value t, for
  * `n` query heads of one KV head. Sums live in a fixed array (registers, once unrolled), so `width` <= MAX_WIDTH. */
 #define MAX_WIDTH 256
-static inline __attribute__((always_inline)) void tile_values(const float *restrict values,
+static inline __attribute__((always_inline)) void tile_values(const kv_t *restrict values,
                                                               const int64_t *restrict cache_rows, int64_t length,
                                                               int64_t cache_stride, const float *restrict weights,
                                                               float *restrict out, const int n, const int width,
@@ -139,14 +159,14 @@ static inline __attribute__((always_inline)) void tile_values(const float *restr
         for (int j = 0; j < width; j++)
             sums[u][j] = 0.0f;
     for (int64_t t = 0; t < length; t++) {
-        const float *restrict value = values + cache_rows[t] * cache_stride;
+        const kv_t *restrict value = values + cache_rows[t] * cache_stride;
         if (t + PREFETCH_AHEAD < length)
             prefetch_row(values + cache_rows[t + PREFETCH_AHEAD] * cache_stride, width);
         for (int u = 0; u < n; u++) {
             const float weight = weights[u * length + t];
 #pragma omp simd
             for (int j = 0; j < width; j++)
-                sums[u][j] += weight * value[j];
+                sums[u][j] += weight * kv_float(value[j]);
         }
     }
     for (int u = 0; u < n; u++)
@@ -203,7 +223,7 @@ static inline int tile_heads(int first, int group)
 }
 
 /* scores[h * length + t] = scale * (query head h . its KV head's key t) for every query head of one request. */
-static void score_request(const float *restrict query, const float *restrict keys,
+static void score_request(const float *restrict query, const kv_t *restrict keys,
                           const int64_t *restrict cache_rows, int64_t length, int heads, int group, int head_dim,
                           int64_t cache_stride, float scale, float *restrict scores)
 {
@@ -215,7 +235,7 @@ static void score_request(const float *restrict query, const float *restrict key
 #endif
     for (int first = 0; first < heads;) {
         const int n = tile_heads(first, group);
-        const float *key_head = keys + (int64_t)(first / group) * head_dim;
+        const kv_t *key_head = keys + (int64_t)(first / group) * head_dim;
         const float *tile_query = query + (int64_t)first * head_dim;
         float *tile_scores_row = scores + (int64_t)first * length;
 #define TILE_CALL(N, D) tile_scores(tile_query, key_head, cache_rows, length, cache_stride, scale, tile_scores_row, N, D)
@@ -229,7 +249,7 @@ static void score_request(const float *restrict query, const float *restrict key
 
 /* One request: its scores (`score_request`), a softmax per query head, then for each KV head its query heads in
  * tiles of up to TILE over the request's values. */
-static void attend_request(const float *restrict query, const float *restrict keys, const float *restrict values,
+static void attend_request(const float *restrict query, const kv_t *restrict keys, const kv_t *restrict values,
                            const int64_t *restrict cache_rows, int64_t length, int heads, int kv_heads, int head_dim,
                            float scale, float *restrict scores, float *restrict out)
 {
@@ -239,7 +259,7 @@ static void attend_request(const float *restrict query, const float *restrict ke
     softmax_rows(scores, length, heads);
     for (int first = 0; first < heads;) {
         const int n = tile_heads(first, group);
-        const float *value_head = values + (int64_t)(first / group) * head_dim;
+        const kv_t *value_head = values + (int64_t)(first / group) * head_dim;
         const float *weights = scores + (int64_t)first * length;
         float *tile_out = out + (int64_t)first * head_dim;
 #define TILE_CALL(N, D) tile_values(value_head, cache_rows, length, cache_stride, weights, tile_out, N, D, D)
@@ -257,9 +277,15 @@ static void attend_request(const float *restrict query, const float *restrict ke
 /* query, out: [tokens, heads, head_dim]; keys, values: [cache rows, kv_heads, head_dim]; request i attends its
  * query row query_rows[i] over cache rows index[starts[i] .. starts[i] + lengths[i]). Returns 0, or -1 where a
  * thread could not allocate its score buffer (its rows are then left unwritten). */
+#if defined(LLMQ_KV_BFLOAT16)
+int llmq_paged_decode_bf16(const float *query, const uint16_t *keys, const uint16_t *values, const int64_t *index,
+                           const int64_t *starts, const int64_t *lengths, const int64_t *query_rows, int64_t requests,
+                           int heads, int kv_heads, int head_dim, float scale, float *out, int threads)
+#else
 int llmq_paged_decode(const float *query, const float *keys, const float *values, const int64_t *index,
                        const int64_t *starts, const int64_t *lengths, const int64_t *query_rows, int64_t requests,
                        int heads, int kv_heads, int head_dim, float scale, float *out, int threads)
+#endif
 {
     const int64_t query_stride = (int64_t)heads * head_dim;
     int64_t longest = 1;

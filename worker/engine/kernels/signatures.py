@@ -17,6 +17,8 @@ from typing import Any
 _ARGUMENT_TYPES: dict[str, Any] = {
     "const float *": ctypes.c_void_p,
     "float *": ctypes.c_void_p,
+    "const uint16_t *": ctypes.c_void_p,  # bfloat16
+    "uint16_t *": ctypes.c_void_p,
     "const int64_t *": ctypes.c_void_p,
     "int64_t": ctypes.c_int64,
     "int": ctypes.c_int,
@@ -81,6 +83,14 @@ PAGED_DECODE = Signature(
         ("int", "threads"),
     ),
 )
+PAGED_DECODE_BF16 = Signature(  # the same kernel built for a bfloat16 cache (`-DLLMQ_KV_BFLOAT16`)
+    "llmq_paged_decode_bf16",
+    "int",
+    tuple(
+        ("const uint16_t *", name) if name in ("keys", "values") else (c_type, name)
+        for c_type, name in PAGED_DECODE.parameters
+    ),
+)
 RMS_NORM = Signature(
     "llmq_rms_norm",
     "void",
@@ -92,6 +102,20 @@ RMS_NORM = Signature(
         ("int64_t", "width"),
         ("float", "eps"),
         ("int", "lanes"),
+        ("int", "threads"),
+    ),
+)
+FEW_ROWS_BF16 = Signature(
+    "llmq_few_rows_bf16",
+    "void",
+    (
+        ("const uint16_t *", "x"),
+        ("const uint16_t *", "weight"),
+        ("const uint16_t *", "bias"),
+        ("uint16_t *", "out"),
+        ("int64_t", "rows"),
+        ("int64_t", "in_features"),
+        ("int64_t", "out_features"),
         ("int", "threads"),
     ),
 )
