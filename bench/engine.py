@@ -2,7 +2,7 @@
 `model.generate` batches vs one request at a time, with the matmul-only limit and a lone request's latency.
 
     python -m bench.engine [--quick] [--all-at-once] [--requests N] [--sequential-every K] [--device D --dtype T]
-                           [--quantize int8] [--exact-rows]
+                           [--quantize int8] [--exact-rows] [--no-bfloat16]
 
 Default workload (a busy service): more requests than slots, `max_running` 32, static batches of at most 32 (the
 same memory), prompts 16-256 tokens, output lengths heavy-tailed (70 % 16-64, 30 % 128-384), greedy, EOS ignored,
@@ -27,6 +27,15 @@ same matrix multiplies.
 request by request: `int8_first_diff_mean`, the mean index of the first differing token (a request without a
 difference counts as its length), and `int8_identical`, the fraction of requests with no difference.
 
+Bfloat16 (`LLMQ_DTYPE=bfloat16`), on a CPU with native bfloat16 products (AVX-512 BF16 / AMX; `--no-bfloat16`
+skips it): the engine way again on the model loaded in bfloat16, and bfloat16 `generate` one at a time on the same
+subset. `bf16_engine_tok_s`, `bf16_lone_decode_ms`, `bf16_ratio_float32` (busy tokens/s over float32's),
+`bf16_matches_generate` (requests of the subset equal to bfloat16 `generate`'s), `bf16_first_diff_mean` (the mean
+first differing token against the float32 engine's outputs) and `bf16_logprob_diff_mean` (the float32 engine's
+greedy tokens scored by both models, teacher-forced: the mean absolute difference of their log-probabilities per
+token). `lone_bound_ms` (and `bf16_lone_bound_ms`): the bytes of every weight a decode step multiplies, over the read
+bandwidth measured here (`read_gb_s`): what a lone token would cost if reading the weights were all it did.
+
 `--exact-rows` also runs the engine way with each product at its exact row count, as before products were padded
 to a bounded set of row counts (`prepack.row_bucket`, which keeps a worker's memory flat), alternating with the
 padded way twice in this process: `padded_speedup` is the exact way's best time over the padded way's.
@@ -39,9 +48,11 @@ import asyncio
 import contextlib
 import itertools
 import random
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,10 +61,20 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from bench.workload import Job, load_bench_model, make_workload, peak_rss_mb, print_json
 from worker.engine import Engine, EngineConfig, EngineRequest, GenerationParams, lean_layers, prepack
+from worker.engine.kernels.cpu_kernels import native_bfloat16
 from worker.engine.loader import DEFAULT_MODEL, LoadOptions, load_model
 from worker.engine.quantize import quantize_int8
 
 MAX_RUNNING = 32
+BFLOAT16_KEYS = (
+    "bf16_engine_tok_s",
+    "bf16_lone_decode_ms",
+    "bf16_ratio_float32",
+    "bf16_matches_generate",
+    "bf16_first_diff_mean",
+    "bf16_logprob_diff_mean",
+    "bf16_lone_bound_ms",
+)
 PAGE = 32
 
 
@@ -71,6 +92,16 @@ def load_int8(quick: bool, device: str, dtype: str) -> Any:
         quantize_int8(model)
         return model
     return load_model(DEFAULT_MODEL, LoadOptions(device=device, dtype=dtype, quantize="int8"))[0]
+
+
+def load_bfloat16(quick: bool, device: str) -> Any:
+    """The same model loaded in bfloat16; the tiny random one is saved again from its seed and loaded so."""
+    if quick:
+        from testing.tiny_models import save_tiny_model
+
+        folder = save_tiny_model(Path(tempfile.mkdtemp(prefix="llmq-bench-")), "llama", max_positions=2048)
+        return load_model(str(folder), LoadOptions(dtype="bfloat16", cache_dir=folder / "cache"))[0]
+    return load_model(DEFAULT_MODEL, LoadOptions(device=device, dtype="bfloat16"))[0]
 
 
 def busy_workload(vocab_size: int, count: int, seed: int = 0) -> list[Job]:
@@ -333,6 +364,70 @@ def int8_figures(
     }
 
 
+def bfloat16_figures(
+    model: Any,
+    bf16_model: Any,
+    tokenizer: Any,
+    jobs: list[Job],
+    subset: list[Job],
+    config: EngineConfig,
+    engine_s: float,
+    engine_out: list[list[int]],
+) -> dict[str, Any]:
+    """The bfloat16 engine's speed against float32's and its outputs against bfloat16 `generate` and float32."""
+    useful = sum(job.max_new_tokens for job in jobs)
+    probe = EngineProbe()
+    bf16_s, bf16_out = asyncio.run(run_engine(bf16_model, tokenizer, jobs, config, probe))
+    _report("engine bf16", bf16_s, useful)
+    _, references = run_sequential(bf16_model, subset)
+    firsts = first_differences(bf16_out, engine_out)
+    return {
+        "bf16_engine_tok_s": round(useful / bf16_s, 2),
+        "bf16_lone_decode_ms": round(probe.lone_decode_ms, 2),
+        "bf16_ratio_float32": round(engine_s / bf16_s, 3),
+        "bf16_matches_generate": sum(bf16_out[job.index] == ref for job, ref in zip(subset, references, strict=True)),
+        "bf16_first_diff_mean": round(sum(firsts) / len(firsts), 1),
+        "bf16_logprob_diff_mean": round(logprob_difference(model, bf16_model, subset, engine_out), 4),
+        "bf16_lone_bound_ms": round(weight_bytes(bf16_model) / read_bytes_per_ms(), 2),
+    }
+
+
+def logprob_difference(model: Any, other: Any, jobs: list[Job], outputs: list[list[int]]) -> float:
+    """The mean absolute difference per generated token of the two models' log-probabilities of `model`'s own
+    greedy `outputs`, each sequence teacher-forced through both."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for job in jobs:
+            generated = outputs[job.index]
+            ids = torch.tensor([job.prompt_ids + generated])
+            start = len(job.prompt_ids) - 1
+            picked = ids[0, start + 1 :].unsqueeze(1)
+            scores = [
+                torch.log_softmax(m(ids).logits[0, start:-1].float(), dim=-1).gather(1, picked) for m in (model, other)
+            ]
+            total += float((scores[0] - scores[1]).abs().sum())
+            count += len(generated)
+    return total / max(1, count)
+
+
+def weight_bytes(model: Any) -> int:
+    """The bytes of the weights a decode step reads: every linear layer's once (a tied head counted as the head)."""
+    linears = {id(m): m for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    return sum(m.weight.numel() * m.weight.element_size() for m in linears.values())
+
+
+def read_bytes_per_ms(megabytes: int = 512, repeats: int = 5) -> float:
+    """This machine's read bandwidth (bytes/ms) with torch's threads: the best of a few sums over a buffer far
+    larger than the caches."""
+    buffer = torch.ones(megabytes * 2**20 // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * 4 / (best * 1e3)
+
+
 def padding_figures(model: Any, tokenizer: Any, jobs: list[Job], config: EngineConfig, useful: int) -> dict[str, Any]:
     """The engine way with exact row counts against padded ones, alternating twice (the machine drifts)."""
     exact_s, padded_s = [], []
@@ -382,6 +477,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--quantize", choices=("none", "int8"), default="none", help="int8: also the int8 engine")
+    parser.add_argument("--no-bfloat16", action="store_true", help="skip the bfloat16 engine")
     parser.add_argument("--exact-rows", action="store_true", help="also the engine with unpadded products, alternated")
     return parser.parse_args(argv)
 
@@ -429,8 +525,16 @@ def main(argv: list[str] | None = None) -> None:
     sequential_tok_s = sum(job.max_new_tokens for job in subset) / sequential_s
     print(f"{'sequential':<14} {sequential_s:7.2f} s  {sequential_tok_s:8.1f} useful tok/s   ({len(subset)} requests)")
 
+    bf16_figures: dict[str, Any] = dict.fromkeys(BFLOAT16_KEYS)
+    if args.no_bfloat16 or torch.device(args.device).type != "cpu" or not native_bfloat16():
+        print("bfloat16: not run (--no-bfloat16, not on the CPU, or no native bfloat16 products here)")
+    else:
+        bf16_model = load_bfloat16(args.quick, args.device)
+        bf16_figures = bfloat16_figures(model, bf16_model, tokenizer, jobs, subset, config, engine_s, engine_out)
+        del bf16_model
     one_row_ms = probe.one_row_ms
     engine_tok_s = useful / engine_s
+    read_per_ms = read_bytes_per_ms()
 
     def matches(outputs: list[list[int]] | None) -> int | None:
         if outputs is None:
@@ -462,6 +566,9 @@ def main(argv: list[str] | None = None) -> None:
         "lone_decode_ms": round(lone_ms, 2),
         "matmul_one_row_ms": round(one_row_ms, 2),
         "b1_fraction": round(one_row_ms / lone_ms, 3),
+        "read_gb_s": round(read_per_ms / 1e6, 1),
+        "lone_bound_ms": round(weight_bytes(model) / read_per_ms, 2),
+        **bf16_figures,
         "outputs_match": matches(engine_out) == len(subset),
         "engine_matches_sequential": matches(engine_out),
         "library_matches_sequential": matches(library_out),
@@ -489,6 +596,15 @@ def main(argv: list[str] | None = None) -> None:
             f"int8: {figures['int8_speedup']}x float32's tok/s; greedy outputs first differ at token "
             f"{figures['int8_first_diff_mean']} on average, {figures['int8_identical']} of requests identical"
         )
+    if bf16_figures["bf16_engine_tok_s"] is not None:
+        print(
+            f"bfloat16: {bf16_figures['bf16_engine_tok_s']} tok/s busy ({bf16_figures['bf16_ratio_float32']}x "
+            f"float32's), lone {bf16_figures['bf16_lone_decode_ms']} ms/token (bound "
+            f"{bf16_figures['bf16_lone_bound_ms']}); equal to bfloat16 generate {bf16_figures['bf16_matches_generate']}"
+            f"/{len(subset)}; against float32: first difference at token {bf16_figures['bf16_first_diff_mean']} on "
+            f"average, log-probability difference {bf16_figures['bf16_logprob_diff_mean']} per token"
+        )
+    print(f"lone bound: {figures['lone_bound_ms']} ms/token (weights over {figures['read_gb_s']} GB/s read)")
     if padding:
         print(f"padded rows: {padding['padded_speedup']}x the exact rows' tok/s (best of two runs each, alternated)")
     print_json(figures)

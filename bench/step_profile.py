@@ -1,13 +1,13 @@
 """Where a decode step's time goes: torch.profiler over 20 steps of a 32-row decode in the engine.
 
     python -m bench.step_profile [--quick] [--rows 32] [--steps 20] [--prompt 200] [--no-prepack]
-                                 [--kernel-source FILE]
+                                 [--kernel-source FILE] [--dtype bfloat16] [--top N]
 
 Requests with prompts of `--prompt` tokens (plus 4 per request, so lengths differ) are started together; once every
 row decodes, the profiler runs in the engine's thread for `--steps` steps. Self CPU time is summed by op family.
 `--kernel-source` builds the native decode kernel from another file, to compare two versions on one machine, e.g.
 `git show REV:worker/engine/kernels/paged_decode.c > /tmp/old.c`, then a run with `--kernel-source /tmp/old.c` and one
-without.
+without. `--top N` also lists the N ops with the most self CPU time.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def family(op: str) -> str:
     return next((name for name, prefixes in FAMILIES.items() if op.startswith(prefixes)), "other")
 
 
-async def profile(model: Any, tokenizer: Any, rows: int, steps: int, prompt: int) -> dict[str, Any]:
+async def profile(model: Any, tokenizer: Any, rows: int, steps: int, prompt: int, top: int = 0) -> dict[str, Any]:
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     state = {"full_steps": 0, "profiled": 0, "start": 0.0, "end": 0.0}
 
@@ -131,6 +131,9 @@ async def profile(model: Any, tokenizer: Any, rows: int, steps: int, prompt: int
     print(f"{rows}-row decode step: {wall_ms:.1f} ms wall (profiled), {cpu_ms:.1f} ms self CPU")
     for name, ms in sorted(totals.items(), key=lambda item: -item[1]):
         print(f"  {name:<15} {ms:7.1f} ms  {100 * ms / cpu_ms:5.1f} %   {calls[name]:6d} calls/step")
+    for event in sorted(profiler.key_averages(), key=lambda event: -event.self_cpu_time_total)[:top]:
+        ms = event.self_cpu_time_total / 1e3 / steps
+        print(f"    {event.key[:40]:<40} {ms:7.2f} ms  {event.count // steps:5d} calls/step")
     return {"rows": rows, "step_ms": round(wall_ms, 1), **{f"{k}_ms": round(v, 1) for k, v in totals.items()}}
 
 
@@ -146,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompt", type=int, default=200)
     parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights")
+    parser.add_argument("--dtype", default="auto", help="auto: float32 on CPU")
+    parser.add_argument("--top", type=int, default=0, help="also list the N ops with the most self CPU time")
     parser.add_argument("--kernel-source", type=Path, help="build the decode kernel from this paged_decode.c")
     args = parser.parse_args(argv)
     if args.kernel_source is not None:
@@ -154,8 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         model, tokenizer, _ = load_bench_model(True)
     else:
-        model, tokenizer = load_model(DEFAULT_MODEL, LoadOptions(prepack=not args.no_prepack))
-    print_json(asyncio.run(profile(model, tokenizer, args.rows, args.steps, args.prompt)))
+        model, tokenizer = load_model(DEFAULT_MODEL, LoadOptions(dtype=args.dtype, prepack=not args.no_prepack))
+    print_json(asyncio.run(profile(model, tokenizer, args.rows, args.steps, args.prompt, args.top)))
 
 
 if __name__ == "__main__":
