@@ -151,13 +151,21 @@ def _rms_norm(width: int, dtype: torch.dtype) -> Callable[[torch.Tensor, torch.T
     """RMSNorm over rows of `width` as `(x, weight, eps) -> normed`: the native one for float32 where it reproduces
     torch's here (one call instead of seven ops: about 3 % of a SmolLM2 decode step), else `torch.rms_norm`. In
     another dtype (bfloat16) the library's own steps: it rounds the normed rows before the weight multiplies them,
-    where `torch.rms_norm` rounds once at the end, and a bit's difference there moves greedy outputs."""
-    if dtype != torch.float32:
-        return _library_rms_norm
+    where `torch.rms_norm` rounds once at the end, and a bit's difference there moves greedy outputs. Its float32
+    part is then the native norm with a weight of ones (times 1.0 is exact): four ops instead of eight."""
     native = cpu_kernels.rms_norm(width)
-    if native is not None:
-        return native
-    return lambda x, weight, eps: torch.rms_norm(x, (width,), weight, eps)
+    if dtype == torch.float32:
+        if native is not None:
+            return native
+        return lambda x, weight, eps: torch.rms_norm(x, (width,), weight, eps)
+    if native is None:
+        return _library_rms_norm
+    ones = torch.ones(width)
+
+    def rounded_then_weighted(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return weight * native(x.float(), ones, eps).to(x.dtype)
+
+    return rounded_then_weighted
 
 
 def _library_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
