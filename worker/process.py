@@ -63,6 +63,7 @@ async def serve(settings: Settings, *, handle_signals: bool = True) -> None:
             quantize=settings.quantize,
         )
         model, tokenizer = await asyncio.to_thread(load_model, settings.model, options)
+        log.info("model loaded", dtype=str(model.dtype).removeprefix("torch."), device=str(model.device))
         async with Engine(model, tokenizer, engine_config(settings)) as engine:
             await Worker(settings, engine, redis).run(stop, hurry)
     finally:

@@ -132,6 +132,7 @@ async def test_a_lone_bfloat16_request_follows_bfloat16_generate(tiny_model_dir:
     engine = await make_engine(tiny_model_dir, model=model, tokenizer=tokenizer)
     paths = engine.counters.paths
     assert paths["paged_decode"] == "compiled" and paths["decoder_layers"] == "lean"
+    assert paths["few_rows"] == "compiled"  # `llmq:engine_path{component="few_rows"}`
     identical = 0
     for index, (ids, n) in enumerate(mixed_prompts(engine.vocab_size, count=16, seed=3)):
         deltas = await collect(engine.submit(EngineRequest(f"r{index}", input_ids=ids, params=greedy(n))))

@@ -410,6 +410,8 @@ def engine_paths(model: Any, varlen: bool, lean: bool, paged: bool, compiled: bo
     paths = {"attention": "varlen" if varlen else "library", "decoder_layers": "lean" if lean else "library"}
     if paged:
         paths["paged_decode"] = "compiled" if compiled else "fallback"
+    if model.dtype == torch.bfloat16 and torch.device(model.device).type == "cpu":
+        paths["few_rows"] = "compiled" if cpu_kernels.few_rows() is not None else "fallback"
     if lean:
         weight = model.get_decoder().layers[0].input_layernorm.weight
         # lean_layers' choice: the native RMSNorm for float32 where it builds (cached: no second build here)
