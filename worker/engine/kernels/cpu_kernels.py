@@ -112,9 +112,8 @@ class PagedDecode:
         """`query`, `out`: `[tokens, heads, head_dim]`, float32; `keys`, `values`: `[cache rows, kv_heads, head_dim]`
         (the library's per-layer views, whose row counts may differ) in the kernel's cache dtype; all contiguous.
         Writes the decode rows of `out`, leaves its other rows alone."""
-        _require_contiguous_float32("paged_decode", query, out)
-        if any(t.dtype != self.cache_dtype or not t.is_contiguous() or t.device.type != "cpu" for t in (keys, values)):
-            raise ValueError(f"paged_decode takes contiguous {self.cache_dtype} CPU keys and values")
+        _require_contiguous("paged_decode", torch.float32, query, out)
+        _require_contiguous("paged_decode", self.cache_dtype, keys, values, what="keys and values")
         if query.dim() != 3 or keys.dim() != 3 or values.shape[1:] != keys.shape[1:] or out.shape != query.shape:
             raise ValueError(f"paged_decode: query {tuple(query.shape)} does not fit keys {tuple(keys.shape)}")
         heads, kv_heads, head_dim = query.shape[1], keys.shape[1], keys.shape[2]
@@ -141,7 +140,7 @@ class RmsNorm:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """`torch.rms_norm(x, (width,), weight, eps)` for contiguous float32 `[rows, width]` rows on the CPU."""
-        _require_contiguous_float32("rms_norm", x, weight)
+        _require_contiguous("rms_norm", torch.float32, x, weight)
         if x.dim() != 2 or x.shape[1] != self.width or weight.shape != (self.width,):
             shapes = f"rows {tuple(x.shape)} or weight {tuple(weight.shape)}"
             raise ValueError(f"rms_norm of width {self.width}: {shapes} do not fit")
@@ -161,9 +160,7 @@ class FewRows:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x @ weight.T + bias` for contiguous bfloat16 CPU `x` `[rows, in]`, `weight` `[out, in]`, `bias` `[out]`."""
-        tensors = (x, weight) if bias is None else (x, weight, bias)
-        if any(t.dtype != torch.bfloat16 or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
-            raise ValueError("few_rows takes contiguous bfloat16 CPU tensors")
+        _require_contiguous("few_rows", torch.bfloat16, *((x, weight) if bias is None else (x, weight, bias)))
         if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
             raise ValueError(f"few_rows: rows {tuple(x.shape)} do not fit weight {tuple(weight.shape)}")
         if bias is not None and bias.shape != (weight.shape[0],):
@@ -176,10 +173,10 @@ class FewRows:
         return out
 
 
-def _require_contiguous_float32(kernel: str, *tensors: torch.Tensor) -> None:
-    """The C code reads raw float32 memory: anything else is refused before a pointer is handed over."""
-    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
-        raise ValueError(f"{kernel} takes contiguous float32 CPU tensors")
+def _require_contiguous(kernel: str, dtype: torch.dtype, *tensors: torch.Tensor, what: str = "tensors") -> None:
+    """The C code reads raw memory of one dtype: anything else is refused before a pointer is handed over."""
+    if any(t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+        raise ValueError(f"{kernel} takes contiguous {str(dtype).removeprefix('torch.')} CPU {what}")
 
 
 @functools.cache
