@@ -62,17 +62,22 @@ end
 -- The keys' holders: a key's entries go to the worker that holds it while that worker is live and holds no
 -- more than one key above the least loaded live worker; else (a new key, a dead holder, an uneven fleet, say one
 -- just joined) to the live worker holding the fewest keys, ties broken by rendezvous hashing, and that worker
--- holds it from then on. A key unused for `hold` ms is forgotten, and so is the least recently used one when a
+-- holds it from then on. A full new holder is not given the entry (it has nothing of it cached to wait for): the
+-- reader runs it, and holds the key instead while that keeps the keys as even. A key unused for `hold` ms is forgotten, and so is the least recently used one when a
 -- new key would pass `AFFINITY_MAX_KEYS`: traffic whose every prompt is new keeps the hashes bounded.
 local load = {}
+
+local function unload(holder)  -- one key fewer held by `holder`
+  redis.call('HINCRBY', loads, holder, -1)
+  if load[holder] ~= nil then
+    load[holder] = load[holder] - 1
+  end
+end
 
 local function forget(key)
   local holder = redis.call('HGET', holders, key)
   if holder then
-    redis.call('HINCRBY', loads, holder, -1)
-    if load[holder] ~= nil then
-      load[holder] = load[holder] - 1
-    end
+    unload(holder)
   end
   redis.call('HDEL', holders, key)
   redis.call('ZREM', used, key)
@@ -99,6 +104,19 @@ local function least_loaded(key)
   return best, fewest
 end
 
+-- Makes `worker` the key's holder in place of `previous` (nil: it had none).
+local function hold_at(key, previous, worker)
+  if previous then
+    unload(previous)
+  end
+  redis.call('HSET', holders, key, worker)
+  redis.call('HINCRBY', loads, worker, 1)
+  redis.call('PEXPIRE', holders, 2 * hold)
+  redis.call('PEXPIRE', loads, 2 * hold)
+  load[worker] = load[worker] + 1
+end
+
+-- The key's holder, and whether it held the key before this call (so may have its prefix cached).
 local function owner_of(key)
   local holder = redis.call('HGET', holders, key)
   if not holder and redis.call('ZCARD', used) >= ${AFFINITY_MAX_KEYS} then
@@ -108,20 +126,10 @@ local function owner_of(key)
   redis.call('ZADD', used, now, key)
   redis.call('PEXPIRE', used, 2 * hold)
   if holder and load[holder] ~= nil and load[holder] - fewest < 2 then
-    return holder
+    return holder, true
   end
-  if holder then
-    redis.call('HINCRBY', loads, holder, -1)
-    if load[holder] ~= nil then
-      load[holder] = load[holder] - 1
-    end
-  end
-  redis.call('HSET', holders, key, least)
-  redis.call('HINCRBY', loads, least, 1)
-  redis.call('PEXPIRE', holders, 2 * hold)
-  redis.call('PEXPIRE', loads, 2 * hold)
-  load[least] = load[least] + 1
-  return least
+  hold_at(key, holder, least)
+  return least, false
 end
 
 local function field(fields, name)
@@ -424,8 +432,17 @@ local function assign(lane, id, fields)
   if key == nil then
     return false
   end
-  local owner = owner_of(key)
+  local owner, cached = owner_of(key)
   if owner == me then
+    return false
+  end
+  if not cached and (room[owner] or 0) <= 0 then
+    -- Its new holder is full and has nothing of it cached: waiting there for a slot would gain nothing, and would
+    -- let the tenant's later requests start first. It runs here, which also holds it from now on if that keeps
+    -- the keys as even (this worker holds no more than the new holder did).
+    if load[me] < load[owner] then
+      hold_at(key, owner, me)
+    end
     return false
   end
   if (room[owner] or 0) > 0 then

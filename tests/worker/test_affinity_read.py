@@ -276,11 +276,44 @@ async def test_every_prompt_new_keeps_the_held_keys_bounded(conn: aioredis.Redis
 QUEUED = Routing(wait_ms=200, live_ms=3000, queue=3)
 
 
-async def test_a_full_holder_gets_up_to_its_queue_and_takes_it_first(conn: aioredis.Redis) -> None:
+async def served_then_full(lib: Scripts, conn: aioredis.Redis, holder: str, other: str) -> bytes:
+    """A key `holder` has served one entry of (so holds, its prompt start cached), then `holder` full; `other` has
+    free slots."""
+    key = owned_by(holder, [other])
+    await lib.read.run(KEYS, other, 8, [], ["default"], QUEUED)
+    first = await add(conn, key)
+    served = await lib.read.run(KEYS, holder, 1, [("default", 1)], ["default"], QUEUED)
+    assert [e.entry_id for e in served.entries] == [first]
+    await lib.read.run(KEYS, holder, 0, [], ["default"], QUEUED)
+    assert await conn.hget(KEYS.affinity_holders, key) == holder.encode()
+    return key
+
+
+async def test_a_new_key_whose_holder_would_be_full_runs_where_it_is_read(conn: aioredis.Redis) -> None:
+    """Nothing of it is cached anywhere, so it does not wait for a slot at a full worker (where the tenant's later
+    requests could start first elsewhere): the reader runs it, and holds the key when that keeps the keys even."""
     lib = Scripts.register(conn)
     await lib.read.run(KEYS, "b", 0, [], ["default"], QUEUED)  # b is full
     await lib.read.run(KEYS, "a", 8, [], ["default"], QUEUED)
     key = owned_by("b", ["a"])
+    entry = await add(conn, key)
+    by_a = await lib.read.run(KEYS, "a", 8, [("default", 8)], ["default"], QUEUED)
+    assert [e.entry_id for e in by_a.entries] == [entry] and by_a.assigned == 0
+    assert await conn.hget(KEYS.affinity_holders, key) == b"a"
+    loads = {k.decode(): int(v) for k, v in (await conn.hgetall(KEYS.affinity_loads)).items()}
+    assert loads.get("a") == 1 and loads.get("b", 0) == 0
+    again = await add(conn, key)  # its holder now: a takes it even with b free
+    await lib.read.run(KEYS, "b", 8, [], ["default"], QUEUED)
+    by_b = await lib.read.run(KEYS, "b", 8, [("default", 8)], ["default"], QUEUED)
+    assert by_b.entries == [] and by_b.assigned == 1
+    assert [e.entry_id for e in (await lib.read.run(KEYS, "a", 8, [("default", 8)], ["default"], QUEUED)).entries] == [
+        again
+    ]
+
+
+async def test_a_full_holder_gets_up_to_its_queue_and_takes_it_first(conn: aioredis.Redis) -> None:
+    lib = Scripts.register(conn)
+    key = await served_then_full(lib, conn, "b", "a")
     ids = [await add(conn, key) for _ in range(5)]
     by_a = await lib.read.run(KEYS, "a", 8, [("default", 8)], ["default"], QUEUED)
     assert by_a.assigned == 3 and [e.entry_id for e in by_a.entries] == ids[3:]  # the queue is full: a runs the rest
@@ -295,9 +328,7 @@ async def test_a_full_holder_gets_up_to_its_queue_and_takes_it_first(conn: aiore
 async def test_what_waits_for_a_full_holder_goes_elsewhere_only_when_nothing_new_is_left(conn: aioredis.Redis) -> None:
     """However long it waited: under a backlog every entry waits, and the holder's queue is bounded."""
     lib = Scripts.register(conn)
-    await lib.read.run(KEYS, "b", 0, [], ["default"], QUEUED)
-    await lib.read.run(KEYS, "a", 8, [], ["default"], QUEUED)
-    waiting = await add(conn, owned_by("b", ["a"]))
+    waiting = await add(conn, await served_then_full(lib, conn, "b", "a"))
     assert (await lib.read.run(KEYS, "a", 8, [("default", 8)], ["default"], QUEUED)).assigned == 1
     await asyncio.sleep(10 * QUEUED.wait_ms / 1000 + 0.05)
     await lib.read.run(KEYS, "b", 0, [], ["default"], QUEUED)  # b is still full, and says so
@@ -310,9 +341,7 @@ async def test_what_waits_for_a_full_holder_goes_elsewhere_only_when_nothing_new
 
 async def test_what_waits_for_a_silent_worker_is_taken_before_new_work(conn: aioredis.Redis) -> None:
     lib = Scripts.register(conn)
-    await lib.read.run(KEYS, "b", 0, [], ["default"], QUEUED)
-    await lib.read.run(KEYS, "a", 8, [], ["default"], QUEUED)
-    waiting = await add(conn, owned_by("b", ["a"]))
+    waiting = await add(conn, await served_then_full(lib, conn, "b", "a"))
     assert (await lib.read.run(KEYS, "a", 8, [("default", 8)], ["default"], QUEUED)).assigned == 1
     await conn.hset(KEYS.affinity_workers, "b", "0 1000")  # b went silent (killed)
     await asyncio.sleep(QUEUED.wait_ms / 1000 + 0.05)
