@@ -63,8 +63,9 @@ end
 -- more than one key above the least loaded live worker; else (a new key, a dead holder, an uneven fleet, say one
 -- just joined) to the live worker holding the fewest keys, ties broken by rendezvous hashing, and that worker
 -- holds it from then on. A full new holder is not given the entry (it has nothing of it cached to wait for): the
--- reader runs it, and holds the key instead while that keeps the keys as even. A key unused for `hold` ms is forgotten, and so is the least recently used one when a
--- new key would pass `AFFINITY_MAX_KEYS`: traffic whose every prompt is new keeps the hashes bounded.
+-- reader runs it, and holds the key instead when that keeps the keys as even. A key unused for `hold` ms is
+-- forgotten, and so is the least recently used one when a new key would pass `AFFINITY_MAX_KEYS`: traffic whose
+-- every prompt is new keeps the hashes bounded.
 local load = {}
 
 local function unload(holder)  -- one key fewer held by `holder`
