@@ -380,6 +380,17 @@ def test_bf16_decode_kernel_refuses_mismatched_inputs(bf16_decode: PagedDecode) 
 # ---------------------------------------------------------------------------------------------------------------
 
 
+async def assert_greedy_equals_generate(engine: Any, reference: Any, workload: list[tuple[list[int], int]]) -> None:
+    """Every request of `workload` (prompt ids, tokens), run together greedily, gives `reference`'s `generate`
+    tokens."""
+    streams = [
+        engine.submit(EngineRequest(f"f{i}", input_ids=ids, params=greedy(n))) for i, (ids, n) in enumerate(workload)
+    ]
+    results = await asyncio.gather(*(collect(s) for s in streams))
+    for index, ((ids, n), deltas) in enumerate(zip(workload, results, strict=True)):
+        assert tokens_of(deltas) == reference_greedy(reference, ids, n), f"request {index}"
+
+
 def loader_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.name == LOADER_LOGGER and r.levelno >= logging.WARNING]
 
@@ -412,12 +423,7 @@ async def test_without_native_bf16_the_loader_warns_once_per_load_and_serves_exa
     reference, _ = load(llama_dir)
     engine = await make_engine(llama_dir, model=model, tokenizer=tokenizer, max_batch_tokens=64)
     workload = mixed_prompts(engine.vocab_size, count=8, seed=21)
-    streams = [
-        engine.submit(EngineRequest(f"f{i}", input_ids=ids, params=greedy(n))) for i, (ids, n) in enumerate(workload)
-    ]
-    results = await asyncio.gather(*(collect(s) for s in streams))
-    for index, ((ids, n), deltas) in enumerate(zip(workload, results, strict=True)):
-        assert tokens_of(deltas) == reference_greedy(reference, ids, n), f"request {index}"
+    await assert_greedy_equals_generate(engine, reference, workload)
 
 
 @native
@@ -562,12 +568,7 @@ async def test_float32_engine_still_equals_generate_bitwise(tiny_model_dir: Path
     assert "few_rows" not in engine.counters.paths
     workload = mixed_prompts(engine.vocab_size, count=10, seed=41)
     workload.append((list(range(3, 3 + 200)), 20))  # several pages
-    streams = [
-        engine.submit(EngineRequest(f"f{i}", input_ids=ids, params=greedy(n))) for i, (ids, n) in enumerate(workload)
-    ]
-    results = await asyncio.gather(*(collect(s) for s in streams))
-    for index, ((ids, n), deltas) in enumerate(zip(workload, results, strict=True)):
-        assert tokens_of(deltas) == reference_greedy(reference, ids, n), f"request {index}"
+    await assert_greedy_equals_generate(engine, reference, workload)
 
 
 @native
