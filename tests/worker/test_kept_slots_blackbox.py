@@ -585,20 +585,24 @@ async def test_many_quiet_tenants_at_once_are_all_served_and_none_lost(
     """Two workers of 4 slots, 1 kept each, under a flood of 150 short requests; 16 quiet tenants (8 times the kept
     slots) submit together, one request each, plus one more with 4 choices. Each is answered whole and exactly
     once; the kept slots start two at once and fair share serves the rest before the flood's backlog (each new
-    tenant starts at the lane's clock), so all of them end while most of the flood still waits."""
+    tenant starts at the lane's clock): while they are served, the flood moves fewer requests than they are
+    (docs/tenants.md: "about one request of the flood per request of its own"). The flood drains while it is
+    submitted, by as much as the machine is loaded, so what it moves is counted from the quiet ones' submission."""
     workers = [
         await start_worker(worker_id=f"many-{i}", max_running=4, idle_tenant_slots=1, step_s=0.005) for i in range(2)
     ]
     await readers(redis)
-    flood = [await submit(client, "flood", i, tokens=6) for i in range(150)]
+    flood = [await submit(client, "flood", i, tokens=12) for i in range(150)]
     await wait_until(lambda: sum(len(w.worker.engine.submitted) for w in workers) >= 6, 10)
     quiet = list(await asyncio.gather(*[submit(client, f"quiet-{k:02d}", 0, tokens=4) for k in range(16)]))
     prompt = text("chorus", 0)
     chorus = await client.submit(prompt=prompt, max_new_tokens=4, n=4, seed=1, tenant="chorus")
+    flood_held = await held_of(redis, "flood")
     await asyncio.gather(*[check(*job) for job in quiet])
     result = await chorus.result(timeout=RESULT_TIMEOUT_S)
     assert [one.token_ids for one in result.choices] == [expected_tokens(list(prompt.encode()), 4)] * 4
-    assert await held_of(redis, "flood") >= 75, await held_of(redis, "flood")
+    moved_meanwhile = flood_held - await held_of(redis, "flood")
+    assert moved_meanwhile <= len(quiet), (flood_held, moved_meanwhile)
     await asyncio.gather(*[check(*job) for job in flood])
     chorus_ids = [f"{chorus.id}-{i}" for i in range(4)]
     everything = [*ids(flood + quiet), *chorus_ids]
