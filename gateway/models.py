@@ -23,8 +23,10 @@ class ServedModel:
 
 class ModelDirectory:
     """The model -> queue map of the configured queues, refreshed at most every `refresh_s` (a request pays
-    one status round trip per refresh, not one per request). A queue's name is also accepted as a model id,
-    so callers can address a queue whose workers have not started yet (the queue holds the work)."""
+    one status round trip per refresh, not one per request). A map with no live worker is not kept: the next
+    request reads again, so a model is listed as soon as its first worker's heartbeat is. A queue's name is also
+    accepted as a model id, so callers can address a queue whose workers have not started yet (the queue holds
+    the work)."""
 
     def __init__(self, client: AsyncClient, queues: list[str], *, stale_s: float, refresh_s: float) -> None:
         self._client = client
@@ -54,7 +56,8 @@ class ModelDirectory:
                 if model not in served:
                     created = min(w.started for w in workers) // 1000
                     served[model] = ServedModel(model, queue, len(workers), created)
-        self._served, self._read_at = served, time.monotonic()
+        self._served = served
+        self._read_at = time.monotonic() if served else -float("inf")
         return served
 
     def _refreshed(self, task: asyncio.Task[dict[str, ServedModel]]) -> None:

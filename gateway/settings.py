@@ -78,7 +78,11 @@ class GatewaySettings(BaseSettings, LimitSettings):
         description="how long a request's Redis calls retry while Redis is away before a 503",
     )
     worker_stale_s: float = Field(default=15.0, gt=0, description="a worker silent this long no longer lists its model")
-    models_refresh_s: float = Field(default=2.0, ge=0, description="how long the model -> queue map is reused")
+    models_refresh_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="how long the model -> queue map is reused (one with no live worker is read again at once)",
+    )
 
     # The Batch API (/v1/files, /v1/batches): files, batches and their results are kept in Redis.
     batch_file_max_bytes: int = Field(

@@ -16,15 +16,15 @@ class SlowStatus:
     """A client whose status call takes `delay_s` and then answers one live worker, or raises `error`."""
 
     def __init__(self, delay_s: float, error: Exception | None = None) -> None:
-        self.delay_s, self.error, self.calls = delay_s, error, 0
+        self.delay_s, self.error, self.calls, self.live = delay_s, error, 0, True
 
     async def status(self, *, queue: str, stale_after_s: float) -> Any:
         self.calls += 1
         await asyncio.sleep(self.delay_s)
         if self.error is not None:
             raise self.error
-        worker = WorkerInfo.model_construct(model="tiny", started=5_000)
-        return type("Status", (), {"workers": [worker]})()
+        workers = [WorkerInfo.model_construct(model="tiny", started=5_000)] if self.live else []
+        return type("Status", (), {"workers": workers})()
 
 
 def directory(client: SlowStatus) -> ModelDirectory:
@@ -62,3 +62,16 @@ async def test_a_caller_that_goes_away_leaves_the_refresh_to_the_others() -> Non
     with pytest.raises(asyncio.CancelledError):
         await leaving
     assert "tiny" in await staying and client.calls == 1
+
+
+async def test_no_live_worker_is_not_kept_so_the_first_worker_is_listed_at_once() -> None:
+    """A gateway started before its workers (or asked between two of them) would otherwise answer 'no such
+    model' for `refresh_s` after the first worker's heartbeat: an empty map is read again on the next request."""
+    client = SlowStatus(0.0)
+    client.live = False
+    models = directory(client)
+    assert await models.served() == {} and await models.queue_of("tiny") is None
+    assert client.calls == 2  # not kept: each request read again
+    client.live = True
+    assert await models.queue_of("tiny") == "default" and client.calls == 3
+    assert await models.queue_of("tiny") == "default" and client.calls == 3  # a live map is kept
