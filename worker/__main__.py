@@ -14,6 +14,7 @@ faulthandler.register(signal.SIGUSR1, all_threads=True)
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
 import asyncio  # noqa: E402 - after the handler, so a SIGTERM during these slow imports is caught
+import importlib.util  # noqa: E402
 
 from client.errors import RedisUnavailable  # noqa: E402
 
@@ -32,6 +33,19 @@ EXITS = (
 )
 
 
+def extra_missing() -> bool:
+    """Whether a module of the `worker` extra is not installed, found without importing it: the engine (torch,
+    seconds) is imported only once Redis answers (worker.process)."""
+    return not all(map(_installed, EXTRA))
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a finder that refuses it outright
+        return False
+
+
 def main(argv: list[str] | None = None) -> None:
     # The flags first, then the engine (torch), so `--help` and `--version` stay fast; without the extra, one line
     # says what to install instead of a traceback.
@@ -44,6 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     except ModuleNotFoundError as error:
         if (error.name or "").partition(".")[0] not in EXTRA:
             raise
+        sys.exit(MISSING)
+    if extra_missing():
         sys.exit(MISSING)
     try:
         asyncio.run(serve(settings))

@@ -1,6 +1,7 @@
 """The worker process: connect to Redis (failing fast on bad credentials), load the model, start the engine,
 and serve until SIGTERM or SIGINT (the first drains, a second ends the drain). `python -m worker` calls
-`serve`; `Worker` (worker.service) is the service itself, over an already started engine."""
+`serve`; `Worker` (worker.service) is the service itself, over an already started engine. Torch and transformers
+are imported only once Redis answers (seconds of imports): a URL the worker cannot use is refused at once."""
 
 from __future__ import annotations
 
@@ -12,11 +13,8 @@ from redis.asyncio import Redis
 
 from client.connection import check_async, open_async
 from client.errors import RedisUnavailable
-from worker.adapter import engine_config
 from worker.config import Settings
-from worker.engine import Engine, LoadOptions, load_model
 from worker.logging import configure, get_logger, redact
-from worker.service import Worker
 
 
 def connect(settings: Settings) -> Redis:
@@ -43,6 +41,10 @@ async def serve(settings: Settings, *, handle_signals: bool = True) -> None:
     except Exception as error:
         await redis.aclose()
         raise RedisUnavailable(f"cannot use Redis at {url}: {redact(str(error)) or type(error).__name__}") from None
+    from worker.adapter import engine_config
+    from worker.engine import Engine, LoadOptions, load_model
+    from worker.service import Worker
+
     stop, hurry = asyncio.Event(), asyncio.Event()
 
     def on_signal() -> None:  # the first signal drains, a second one ends the drain at once

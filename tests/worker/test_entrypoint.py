@@ -93,6 +93,21 @@ def test_another_missing_module_is_not_blamed_on_the_extra(tmp_path: Path) -> No
     assert done.returncode == 1 and "Traceback" in done.stderr and "extra" not in done.stderr
 
 
+def test_a_redis_url_it_cannot_use_is_refused_before_torch_is_imported(tmp_path: Path) -> None:
+    """A closed port is refused in one line, before the engine's imports (torch, transformers: seconds) run."""
+    script = (
+        "import atexit, sys; atexit.register(lambda: print('torch' in sys.modules, file=sys.stderr)); "
+        "from worker.__main__ import main; main(sys.argv[1:])"
+    )
+    env = {key: value for key, value in os.environ.items() if not key.startswith("LLMQ_")} | {"PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-c", script, "--redis-url", "redis://127.0.0.1:1/0", "--model", "smollm2"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    first, torch_loaded = done.stderr.strip().splitlines()
+    assert first.startswith("llmq-worker: cannot use Redis at redis://127.0.0.1:1/0"), first
+    assert torch_loaded == "False"
+
+
 @pytest.fixture
 def no_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.MonkeyPatch:
     for key in [key for key in os.environ if key.startswith("LLMQ_")]:
