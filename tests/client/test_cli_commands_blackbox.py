@@ -271,8 +271,7 @@ async def test_bad_flags_and_refused_requests_exit_with_the_usage_code(redis_url
 
 
 async def test_nothing_was_queued_by_refused_requests(redis_url: str, server: aioredis.Redis) -> None:
-    for argv in [a for a in HOSTILE_USAGE if a[:1] == ("submit",)]:
-        await llmq(*argv, LLMQ_REDIS_URL=redis_url)
+    await asyncio.gather(*(llmq(*argv, LLMQ_REDIS_URL=redis_url) for argv in HOSTILE_USAGE if argv[:1] == ("submit",)))
     for lane in ("interactive", "default", "batch"):
         assert await server.xlen(lane_key(lane=lane)) == 0
 
@@ -289,8 +288,8 @@ async def test_a_closed_port_exits_unavailable_after_the_failover_window(tmp_pat
         ("dead", "list"),
         ("dead", "drop", "--all"),
     ]
-    results = await asyncio.gather(*(llmq("--url", url, *argv) for argv in commands))
-    results.append(await llmq("--url", url, "chat", "--timeout", "1", stdin="hi\n"))
+    chat = llmq("--url", url, "chat", "--timeout", "1", stdin="hi\n")
+    results = await asyncio.gather(*(llmq("--url", url, *argv) for argv in commands), chat)
     for argv, done in zip([*commands, ("chat",)], results, strict=True):
         assert done.rc == CODES["UNAVAILABLE"], (argv, done)
         line = done.error_line()
