@@ -33,30 +33,105 @@ async def test_smollm2_knows_the_capital_of_france(smollm2: tuple, make_engine) 
 
 
 SCHEMAS: list[dict] = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer",
-     "minimum": 0, "maximum": 120}}, "required": ["name", "age"], "additionalProperties": False},
-    {"type": "object", "properties": {"sentiment": {"enum": ["positive", "negative", "neutral"]},
-     "confidence": {"type": "number", "minimum": 0, "maximum": 1}}, "required": ["sentiment", "confidence"]},
-    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 20},
-     "minItems": 1, "maxItems": 4}}, "required": ["tags"], "additionalProperties": False},
-    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}, "country": {"type": "string",
-     "maxLength": 30}, "population": {"type": "integer", "minimum": 0}}, "required": ["city", "country"]},
-    {"type": "object", "properties": {"answer": {"type": "boolean"}, "reason": {"type": "string", "maxLength": 60}},
-     "required": ["answer", "reason"], "additionalProperties": False},
-    {"type": "object", "properties": {"person": {"type": "object", "properties": {"first": {"type": "string",
-     "maxLength": 20}, "last": {"type": "string", "maxLength": 20}}, "required": ["first", "last"]},
-     "email": {"type": "string", "maxLength": 40}}, "required": ["person"]},
-    {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "object", "properties": {
-     "name": {"type": "string", "maxLength": 20}, "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
-     "required": ["name", "qty"]}, "maxItems": 3}}, "required": ["items"]},
-    {"type": "object", "properties": {"priority": {"enum": ["low", "medium", "high"]}, "due_days": {
-     "type": "integer", "minimum": 0, "maximum": 30}}, "required": ["priority", "due_days"]},
-    {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40}, "year": {"type": "integer",
-     "minimum": 1900, "maximum": 2030}, "rating": {"type": "number", "minimum": 0, "maximum": 10}},
-     "required": ["title", "year", "rating"]},
-    {"type": "object", "properties": {"language": {"enum": ["python", "rust", "go", "java"]}, "typed": {
-     "type": "boolean"}, "paradigms": {"type": "array", "items": {"enum": ["oop", "functional", "procedural"]},
-     "maxItems": 3}}, "required": ["language", "typed"]},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 40},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "sentiment": {"enum": ["positive", "negative", "neutral"]},
+            "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+        "required": ["sentiment", "confidence"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "minItems": 1, "maxItems": 4}
+        },
+        "required": ["tags"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 30},
+            "country": {"type": "string", "maxLength": 30},
+            "population": {"type": "integer", "minimum": 0},
+        },
+        "required": ["city", "country"],
+    },
+    {
+        "type": "object",
+        "properties": {"answer": {"type": "boolean"}, "reason": {"type": "string", "maxLength": 60}},
+        "required": ["answer", "reason"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "person": {
+                "type": "object",
+                "properties": {
+                    "first": {"type": "string", "maxLength": 20},
+                    "last": {"type": "string", "maxLength": 20},
+                },
+                "required": ["first", "last"],
+            },
+            "email": {"type": "string", "maxLength": 40},
+        },
+        "required": ["person"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "maxLength": 20},
+                        "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                    },
+                    "required": ["name", "qty"],
+                },
+                "maxItems": 3,
+            }
+        },
+        "required": ["items"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "priority": {"enum": ["low", "medium", "high"]},
+            "due_days": {"type": "integer", "minimum": 0, "maximum": 30},
+        },
+        "required": ["priority", "due_days"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 40},
+            "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
+            "rating": {"type": "number", "minimum": 0, "maximum": 10},
+        },
+        "required": ["title", "year", "rating"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "language": {"enum": ["python", "rust", "go", "java"]},
+            "typed": {"type": "boolean"},
+            "paradigms": {"type": "array", "items": {"enum": ["oop", "functional", "procedural"]}, "maxItems": 3},
+        },
+        "required": ["language", "typed"],
+    },
 ]
 SUBJECTS = ["Ada Lovelace", "a rainy day in Paris", "a bug report", "the Rust language", "a grocery list"]
 
@@ -72,20 +147,29 @@ async def test_json_schemas_on_the_real_model_always_parse_and_validate(smollm2:
     from worker.engine.constraints import json_schema_format
 
     model, tokenizer, cache = smollm2
-    engine = await make_engine(cache, model, tokenizer, kv_cache_tokens=32768, page_size=32, max_running=32,
-                               max_batch_tokens=1024)
+    engine = await make_engine(
+        cache, model, tokenizer, kv_cache_tokens=32768, page_size=32, max_running=32, max_batch_tokens=1024
+    )
 
     async def one(index: int, schema: dict, subject: str) -> tuple[dict, str]:
         prompt = f"Describe {subject} as JSON with the fields {', '.join(schema['properties'])}."
-        params = GenerationParams(max_new_tokens=160, temperature=0 if index % 2 else 0.7, seed=index,
-                                  output_format=json_schema_format(schema))
+        params = GenerationParams(
+            max_new_tokens=160,
+            temperature=0 if index % 2 else 0.7,
+            seed=index,
+            output_format=json_schema_format(schema),
+        )
         request = EngineRequest(f"json-{index}", messages=[{"role": "user", "content": prompt}], params=params)
         return schema, text_of(await collect(engine.submit(request)))
 
-    free = [collect(engine.submit(EngineRequest(f"free-{i}", prompt="Once upon a time", params=greedy(40))))
-            for i in range(4)]
-    jobs = [one(i, schema, subject) for i, (schema, subject) in
-            enumerate((s, subject) for s in SCHEMAS for subject in SUBJECTS)]
+    free = [
+        collect(engine.submit(EngineRequest(f"free-{i}", prompt="Once upon a time", params=greedy(40))))
+        for i in range(4)
+    ]
+    jobs = [
+        one(i, schema, subject)
+        for i, (schema, subject) in enumerate((s, subject) for s in SCHEMAS for subject in SUBJECTS)
+    ]
     results = await asyncio.gather(*jobs, *free)
     for schema, text in results[:50]:
         jsonschema.validate(json.loads(text), schema)
@@ -93,14 +177,18 @@ async def test_json_schemas_on_the_real_model_always_parse_and_validate(smollm2:
 
 
 def test_a_worker_that_converts_second_keeps_the_first_ones_folder(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    smollm2: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Workers started together on a fresh cache (`--scale worker=2`) each convert the GGUF file; here another
-    worker's folder lands just before our rename, which then keeps it instead of crashing."""
+    worker's folder lands just before our rename, which then keeps it instead of crashing. The GGUF file's
+    dequantized model is the module's (its conversion is what the cache saves; the race is in the rename)."""
     import os
+
+    from transformers import AutoModelForCausalLM
 
     from worker.engine import loader
 
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *args, **kwargs: smollm2[0])
     real_replace = os.replace
 
     def another_worker_wins(source: Path, target: Path) -> None:
