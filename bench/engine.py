@@ -2,7 +2,7 @@
 `model.generate` batches vs one request at a time, with the matmul-only limit and a lone request's latency.
 
     python -m bench.engine [--quick] [--all-at-once] [--requests N] [--sequential-every K] [--device D --dtype T]
-                           [--quantize int8] [--exact-rows] [--no-bfloat16]
+                           [--quantize int8] [--float32-few-rows] [--exact-rows] [--no-bfloat16]
 
 Default workload (a busy service): more requests than slots, `max_running` 32, static batches of at most 32 (the
 same memory), prompts 16-256 tokens, output lengths heavy-tailed (70 % 16-64, 30 % 128-384), greedy, EOS ignored,
@@ -26,6 +26,9 @@ same matrix multiplies.
 `int8_speedup` is its tokens/s over float32's, and agreement compares its greedy outputs with the float32 engine's,
 request by request: `int8_first_diff_mean`, the mean index of the first differing token (a request without a
 difference counts as its length), and `int8_identical`, the fraction of requests with no difference.
+`--float32-few-rows` does the same for the model loaded with `float32_few_rows=True` (`LLMQ_FLOAT32_FEW_ROWS`: decode
+steps of up to 6 rows on the float32 few-row kernel): `few_rows_engine_tok_s`, `few_rows_speedup`,
+`few_rows_lone_decode_ms`, `few_rows_first_diff_mean`, `few_rows_identical`.
 
 Bfloat16 (`LLMQ_DTYPE=bfloat16`), on a CPU with native bfloat16 products (AVX-512 BF16 / AMX; `--no-bfloat16`
 skips it): the engine way again on the model loaded in bfloat16, and bfloat16 `generate` one at a time on the same
@@ -92,6 +95,17 @@ def load_int8(quick: bool, device: str, dtype: str) -> Any:
         quantize_int8(model)
         return model
     return load_model(DEFAULT_MODEL, LoadOptions(device=device, dtype=dtype, quantize="int8"))[0]
+
+
+def load_float32_few_rows(quick: bool, device: str, dtype: str) -> Any:
+    """The same model with the float32 few-row kernel asked for; the tiny random one is rebuilt and so marked."""
+    if quick:
+        model = load_bench_model(True)[0]
+        for module in model.modules():
+            if isinstance(module, prepack.PackedLinear):
+                module.float32_few_rows = True
+        return model
+    return load_model(DEFAULT_MODEL, LoadOptions(device=device, dtype=dtype, float32_few_rows=True))[0]
 
 
 def load_bfloat16(quick: bool, device: str) -> Any:
@@ -342,25 +356,58 @@ def limit_by_kind(steps: list[StepRecord], bounds: list[float]) -> dict[str, flo
     return figures
 
 
-def int8_figures(
-    useful: int,
-    float32_s: float,
-    int8_s: float | None,
-    probe: EngineProbe,
-    outputs: list[list[int]] | None,
-    references: list[list[int]],
+@dataclass
+class Variant:
+    """A float32 engine that trades exact agreement for speed (int8 weights, the few-row kernel), run on the same
+    jobs: its time, outputs and probe once run."""
+
+    prefix: str
+    model: Any
+    seconds: float | None = None
+    outputs: list[list[int]] | None = None
+    probe: EngineProbe = field(default_factory=EngineProbe)
+
+    def run(self, tokenizer: Any, jobs: list[Job], config: Any, useful: int) -> None:
+        self.seconds, self.outputs = asyncio.run(run_engine(self.model, tokenizer, jobs, config, self.probe))
+        _report(f"engine {self.prefix}", self.seconds, useful)
+
+    def figures(self, useful: int, float32_s: float, references: list[list[int]]) -> dict[str, Any]:
+        """Its speed against the float32 engine's and the agreement of their greedy outputs (all None if not run)."""
+        if self.seconds is None or self.outputs is None:
+            keys = ("engine_tok_s", "speedup", "lone_decode_ms", "first_diff_mean", "identical")
+            return {f"{self.prefix}_{key}": None for key in keys}
+        firsts = first_differences(self.outputs, references)
+        identical = sum(f == len(r) for f, r in zip(firsts, references, strict=True)) / len(firsts)
+        return {
+            f"{self.prefix}_engine_tok_s": round(useful / self.seconds, 2),
+            f"{self.prefix}_speedup": round(float32_s / self.seconds, 3),
+            f"{self.prefix}_lone_decode_ms": round(self.probe.lone_decode_ms, 2),
+            f"{self.prefix}_first_diff_mean": round(sum(firsts) / len(firsts), 1),
+            f"{self.prefix}_identical": round(identical, 3),
+        }
+
+    def summary(self, figures: dict[str, Any]) -> str:
+        """One line of its figures, for the report."""
+        prefix = self.prefix
+        return (
+            f"{prefix}: {figures[f'{prefix}_speedup']}x float32's tok/s, lone {figures[f'{prefix}_lone_decode_ms']} "
+            f"ms/token; greedy outputs first differ at token {figures[f'{prefix}_first_diff_mean']} on average, "
+            f"{figures[f'{prefix}_identical']} of requests identical"
+        )
+
+
+VARIANTS = ("int8", "few_rows")
+
+
+def variant_figures(
+    variants: list[Variant], useful: int, float32_s: float, references: list[list[int]]
 ) -> dict[str, Any]:
-    """The int8 engine's speed against float32's and the agreement of their greedy outputs (all None if not run)."""
-    if int8_s is None or outputs is None:
-        keys = ("engine_tok_s", "speedup", "lone_decode_ms", "first_diff_mean", "identical")
-        return {f"int8_{key}": None for key in keys}
-    firsts = first_differences(outputs, references)
+    """Every variant's figures, None for those not run, so that the JSON line always has the same keys."""
+    ran = {variant.prefix: variant for variant in variants}
     return {
-        "int8_engine_tok_s": round(useful / int8_s, 2),
-        "int8_speedup": round(float32_s / int8_s, 3),
-        "int8_lone_decode_ms": round(probe.lone_decode_ms, 2),
-        "int8_first_diff_mean": round(sum(firsts) / len(firsts), 1),
-        "int8_identical": round(sum(f == len(r) for f, r in zip(firsts, references, strict=True)) / len(firsts), 3),
+        key: value
+        for prefix in VARIANTS
+        for key, value in ran.get(prefix, Variant(prefix, None)).figures(useful, float32_s, references).items()
     }
 
 
@@ -477,6 +524,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--quantize", choices=("none", "int8"), default="none", help="int8: also the int8 engine")
+    parser.add_argument("--float32-few-rows", action="store_true", help="also the engine with the few-row kernel")
     parser.add_argument("--no-bfloat16", action="store_true", help="skip the bfloat16 engine")
     parser.add_argument("--exact-rows", action="store_true", help="also the engine with unpadded products, alternated")
     return parser.parse_args(argv)
@@ -486,7 +534,9 @@ def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     torch.manual_seed(0)
     model, tokenizer, name = load(args.quick, args.device, args.dtype)
-    int8_model = load_int8(args.quick, args.device, args.dtype) if args.quantize == "int8" else None
+    variants = [Variant("int8", load_int8(args.quick, args.device, args.dtype))] if args.quantize == "int8" else []
+    if args.float32_few_rows:
+        variants.append(Variant("few_rows", load_float32_few_rows(args.quick, args.device, args.dtype)))
     model.generation_config.eos_token_id = None  # EOS ignored: every request generates all it asked for
     if args.all_at_once:
         count = max_running = args.requests or 32
@@ -508,11 +558,8 @@ def main(argv: list[str] | None = None) -> None:
     bound = MatmulBound(model)
     step_bounds = [bound.step_ms(step.tokens, step.rows) / 1e3 for step in probe.steps]
     limit_s = sum(step_bounds)
-    int8_s = int8_out = None
-    int8_probe = EngineProbe()
-    if int8_model is not None:
-        int8_s, int8_out = asyncio.run(run_engine(int8_model, tokenizer, jobs, config, int8_probe))
-        _report("engine int8", int8_s, useful)
+    for variant in variants:
+        variant.run(tokenizer, jobs, config, useful)
     padding = padding_figures(model, tokenizer, jobs, config, useful) if args.exact_rows else {}
     library_s = library_out = None
     if not args.skip_library:
@@ -573,7 +620,7 @@ def main(argv: list[str] | None = None) -> None:
         "engine_matches_sequential": matches(engine_out),
         "library_matches_sequential": matches(library_out),
         "static_matches_sequential": matches(static_out),
-        **int8_figures(useful, engine_s, int8_s, int8_probe, int8_out, engine_out),
+        **variant_figures(variants, useful, engine_s, engine_out),
         **padding,
         "peak_rss_mb": round(peak_rss_mb()),
     }
@@ -591,11 +638,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(f"lone request: {lone_ms:.1f} ms/token vs one-row matmuls {one_row_ms:.1f} ms: b1 {figures['b1_fraction']}")
     print(f"outputs equal to one-at-a-time greedy: engine {matches(engine_out)}/{len(subset)}")
-    if int8_s is not None:
-        print(
-            f"int8: {figures['int8_speedup']}x float32's tok/s; greedy outputs first differ at token "
-            f"{figures['int8_first_diff_mean']} on average, {figures['int8_identical']} of requests identical"
-        )
+    for variant in variants:
+        print(variant.summary(figures))
     if bf16_figures["bf16_engine_tok_s"] is not None:
         print(
             f"bfloat16: {bf16_figures['bf16_engine_tok_s']} tok/s busy ({bf16_figures['bf16_ratio_float32']}x "

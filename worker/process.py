@@ -63,6 +63,7 @@ async def serve(settings: Settings, *, handle_signals: bool = True) -> None:
             trust_remote_code=settings.trust_remote_code,
             cache_dir=settings.model_cache_dir,
             quantize=settings.quantize,
+            float32_few_rows=settings.float32_few_rows,
         )
         model, tokenizer = await asyncio.to_thread(load_model, settings.model, options)
         log.info("model loaded", dtype=str(model.dtype).removeprefix("torch."), device=str(model.device))

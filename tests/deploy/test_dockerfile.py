@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.deploy.support import ROOT
 from worker.engine.kernels import cpu_kernels
@@ -138,20 +139,23 @@ def test_a_compilerless_runtime_uses_the_kernels_the_build_stage_compiled(tmp_pa
     compiler = bin_dir / "llmq-cc"  # the same path in both "stages", as in the Dockerfile
     base = {"HOME": str(tmp_path), "XDG_CACHE_HOME": str(cache), "CC": str(compiler), "PYTHONPATH": str(ROOT)}
 
-    # The build stage: the wrapper runs gcc; the Dockerfile's own command builds the kernels (four with bfloat16).
+    # The build stage: the wrapper runs gcc; the Dockerfile's own command builds the kernels (three, where AVX2 builds
+    # the float32 few-row one; two more with bfloat16).
     shutil.copy2(WRAPPERS / "llmq-cc-gcc", compiler)
     gcc_dir = str(Path(shutil.which("gcc") or "").parent)
     built = _python(build_command, {**base, "PATH": f"{bin_dir}:{gcc_dir}:/bin"})
     assert built.returncode == 0, built.stderr
     kernels = sorted(cache.glob("llmq/kernels/*.so"))
-    assert len(kernels) == (4 if cpu_kernels.native_bfloat16() else 2), kernels
+    float32_few_rows = cpu_kernels.few_rows(torch.float32) is not None
+    assert len(kernels) == 2 + float32_few_rows + 2 * cpu_kernels.native_bfloat16(), kernels
     stamps = [path.stat().st_mtime_ns for path in kernels]
 
     # The runtime stage: no compiler (the wrapper fails if called). The same CPU finds both kernels built; another
     # CPU (another key) makes the worker try a build, which fails saying why, and the torch path runs.
     shutil.copy2(WRAPPERS / "llmq-cc-none", compiler)
     runtime = _python(
-        "from worker.engine.kernels import cpu_kernels as k; assert k.load() is not None; k.rms_norm(576); "
+        "import torch; from worker.engine.kernels import cpu_kernels as k; assert k.load() is not None; "
+        f"k.rms_norm(576); assert (k.few_rows(torch.float32) is not None) == {float32_few_rows}; "
         "print('found', flush=True); k._cpu_identity = lambda: b'another cpu'; k.load.cache_clear(); "
         "assert k.load() is None",
         {**base, "PATH": f"{bin_dir}:/nonexistent"},

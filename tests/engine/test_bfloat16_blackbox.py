@@ -620,7 +620,7 @@ async def test_a_bf16_engine_without_the_few_row_kernel_falls_back_to_onednn(
     """Where the few-row kernel cannot be built (`few_rows()` None), every product runs in oneDNN at its padded row
     count, the engine says so (`few_rows: fallback`) and still serves every request in full."""
     model, tokenizer = load_bf16(llama_dir)
-    monkeypatch.setattr(cpu_kernels, "few_rows", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "few_rows", lambda dtype=torch.bfloat16: None)
     layer = next(m for m in model.modules() if type(m) is PackedLinear)
     with torch.no_grad():
         x = torch.randn(3, layer.in_features).bfloat16()

@@ -13,13 +13,22 @@ from pathlib import Path
 import pytest
 
 from worker.engine.kernels import cpu_kernels
-from worker.engine.kernels.signatures import FEW_ROWS_BF16, PAGED_DECODE, PAGED_DECODE_BF16, RMS_NORM, Signature, header
+from worker.engine.kernels.signatures import (
+    FEW_ROWS_BF16,
+    FEW_ROWS_FLOAT32,
+    PAGED_DECODE,
+    PAGED_DECODE_BF16,
+    RMS_NORM,
+    Signature,
+    header,
+)
 
 KERNELS = [
     (cpu_kernels.SOURCE, PAGED_DECODE),
     (cpu_kernels.SOURCE, PAGED_DECODE_BF16),
     (cpu_kernels.RMS_NORM_SOURCE, RMS_NORM),
     (cpu_kernels.FEW_ROWS_SOURCE, FEW_ROWS_BF16),
+    (cpu_kernels.FEW_ROWS_FLOAT32_SOURCE, FEW_ROWS_FLOAT32),
 ]
 
 

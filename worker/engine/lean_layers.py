@@ -204,6 +204,6 @@ def _projection(linear: PackedLinear) -> Callable[[torch.Tensor], torch.Tensor]:
         return linear
 
     def project(x: torch.Tensor) -> torch.Tensor:
-        return packed_product(x, linear.packed_weight(), linear.bias)
+        return packed_product(x, linear.packed_weight(), linear.bias, linear.few_rows_weight())
 
     return project

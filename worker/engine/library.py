@@ -404,14 +404,19 @@ def _runs_our_attention_on_cpu(model: Any) -> bool:
     return model.config._attn_implementation == attention.ATTENTION_NAME and torch.device(model.device).type == "cpu"
 
 
+def _asks_few_rows(model: Any) -> bool:
+    """Whether the float32 few-row kernel was asked for (`LLMQ_FLOAT32_FEW_ROWS`: prepack marks its layers)."""
+    return model.dtype == torch.float32 and any(getattr(m, "float32_few_rows", False) for m in model.modules())
+
+
 def engine_paths(model: Any, varlen: bool, lean: bool, paged: bool, compiled: bool) -> dict[str, str]:
     """Which implementation runs each part of a step, for `llmq:engine_path`: our attention or the library's, our
     decoder layers or the library's and, where they serve, each native kernel compiled or its torch fallback."""
     paths = {"attention": "varlen" if varlen else "library", "decoder_layers": "lean" if lean else "library"}
     if paged:
         paths["paged_decode"] = "compiled" if compiled else "fallback"
-    if model.dtype == torch.bfloat16 and torch.device(model.device).type == "cpu":
-        paths["few_rows"] = "compiled" if cpu_kernels.few_rows() is not None else "fallback"
+    if torch.device(model.device).type == "cpu" and (model.dtype == torch.bfloat16 or _asks_few_rows(model)):
+        paths["few_rows"] = "compiled" if cpu_kernels.few_rows(model.dtype) is not None else "fallback"
     if lean:
         weight = model.get_decoder().layers[0].input_layernorm.weight
         # lean_layers' choice: the native RMSNorm for float32 where it builds (cached: no second build here)

@@ -36,6 +36,9 @@ class LoadOptions:
     # int8 (float32 on CPU): the body's linear layers multiply batches of up to 32 rows with int8 weights, larger
     # ones pre-packed in float32 whatever `prepack` says (`quantize.py`); the output head stays float32
     quantize: Literal["none", "int8"] = "none"
+    # float32 on CPU: steps of up to 6 rows take the native few-row kernel (`prepack.py`), faster for a lone request;
+    # its sums run in another order, so outputs are close to `generate`'s, not bitwise equal
+    float32_few_rows: bool = False
 
     def __post_init__(self) -> None:
         if self.quantize not in ("none", "int8"):
@@ -68,7 +71,7 @@ def load_model(spec: str = DEFAULT_MODEL, options: LoadOptions | None = None) ->
     if options.prepack:
         from worker.engine.prepack import prepack
 
-        prepack(model)  # only float32 CPU layers; a no-op elsewhere
+        prepack(model, float32_few_rows=options.float32_few_rows)  # only CPU layers; a no-op elsewhere
     return model, tokenizer
 
 

@@ -20,6 +20,11 @@ the native few-row kernel instead (`kernels/few_rows.c`), which reads the weight
 products' bits depend on the row count (oneDNN picks a kernel by shape, and the few-row kernel sums in its own
 order), so unlike float32, a request's bf16 outputs may differ with the batch it ran in.
 
+Float32 steps of up to `FEW_ROWS` rows may take the float32 few-row kernel (`kernels/few_rows_float32.c`) on the dense
+weights, when the operator asks (`prepack(model, float32_few_rows=True)`, `LLMQ_FLOAT32_FEW_ROWS`): 1.3-2x oneDNN's
+speed there, no memory added, but its sums run in another order than oneDNN's, so float32 outputs are then close to
+`generate`'s, not equal bit for bit, and depend on the batch as bfloat16's do.
+
 `prepack(model)` swaps each float32 or bfloat16 `nn.Linear` for a `PackedLinear` that shares its parameters (tied
 weights stay tied). It packs again if the weight is changed in place or swapped for another (`DerivedWeights`), and
 falls back to `F.linear` for anything else (autograd, float16, other devices, an input of another dtype).
@@ -27,6 +32,7 @@ falls back to `F.linear` for anything else (autograd, float16, other devices, an
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Self, TypeVar
@@ -45,7 +51,8 @@ _linear_pointwise: Any = getattr(torch.ops.mkldnn, "_linear_pointwise", None)  #
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # Bfloat16 products of up to this many rows run the few-row kernel. On SmolLM2's 30 layers, weights out of the caches,
 # 2 threads, it took 8.7 ms at 1 row against oneDNN's 18.8 (2.15x), 1.5x at 4, 1.1x at 6, 0.9x at 8: past a few rows
-# the kernel's sums, not the reads, take the time, and oneDNN's AMX tiles do those better.
+# the kernel's sums, not the reads, take the time, and oneDNN's AMX tiles do those better. Float32's, where asked,
+# ran 1.3x oneDNN's packed products at 1 row and 1.2-2x at 2-6 on an AVX2 EPYC, 1.1x at 8.
 FEW_ROWS = 6
 
 
@@ -89,14 +96,18 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def packed_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_product(
+    rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dense: torch.Tensor | None = None
+) -> torch.Tensor:
     """`rows @ weight.T + bias` for 2-D `rows` and a `pack`ed `weight` of their dtype, run at `row_bucket` rows (zero
-    rows appended, their outputs dropped) so that oneDNN meets a bounded set of shapes."""
+    rows appended, their outputs dropped) so that oneDNN meets a bounded set of shapes. A few rows take the few-row
+    kernel on the dense weight: bfloat16's own (kept dense), or float32's `dense` where given (asked for)."""
     count = rows.shape[0]
-    if not weight.is_mkldnn and count <= FEW_ROWS:  # bfloat16, kept dense
-        few_rows = cpu_kernels.few_rows()
+    plain = dense if weight.is_mkldnn else weight
+    if plain is not None and count <= FEW_ROWS:
+        few_rows = cpu_kernels.few_rows(plain.dtype)
         if few_rows is not None:
-            return few_rows(rows.contiguous(), weight, bias)
+            return few_rows(rows.contiguous(), plain, bias)
     padding = row_bucket(count) - count
     if padding:
         rows = functional.pad(rows, (0, 0, 0, padding))
@@ -113,17 +124,20 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 class PackedLinear(nn.Linear):
-    """An `nn.Linear` (same parameters, same state dict) that multiplies with a oneDNN-packed copy of its weight."""
+    """An `nn.Linear` (same parameters, same state dict) that multiplies with a oneDNN-packed copy of its weight, and
+    float32 steps of a few rows with the few-row kernel on its dense weight where `float32_few_rows` (asked for)."""
 
     packed: DerivedWeights[torch.Tensor]
+    float32_few_rows: bool
 
     @classmethod
-    def wrap(cls, linear: nn.Linear) -> Self:
+    def wrap(cls, linear: nn.Linear, *, float32_few_rows: bool = False) -> Self:
         packed = cls.__new__(cls)
         nn.Module.__init__(packed)
         packed.in_features, packed.out_features = linear.in_features, linear.out_features
         packed.weight, packed.bias = linear.weight, linear.bias  # shared: tied weights stay tied
         packed.packed = DerivedWeights(pack)
+        packed.float32_few_rows = float32_few_rows
         return packed
 
     def cpu_inference(self, x: torch.Tensor) -> bool:
@@ -143,12 +157,16 @@ class PackedLinear(nn.Linear):
         if not self.cpu_inference(x):
             return functional.linear(x, weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
-        out = packed_product(x.reshape(-1, self.in_features), self.packed_weight(), bias)
+        out = packed_product(x.reshape(-1, self.in_features), self.packed_weight(), bias, self.few_rows_weight())
         return out.view(*x.shape[:-1], self.out_features)
 
     def packed_weight(self) -> torch.Tensor:
         """The oneDNN copy of the weight, packed on first use and again after the weight changes."""
         return self.packed.of(self.weight)
+
+    def few_rows_weight(self) -> torch.Tensor | None:
+        """The dense float32 weight, for `packed_product`'s few-row kernel where it was asked for; else None."""
+        return self.weight.detach() if self.float32_few_rows and self.weight.dtype == torch.float32 else None
 
 
 class StackedLinears:
@@ -166,6 +184,7 @@ class StackedLinears:
             raise ValueError("StackedLinears takes pre-packed layers of one dtype and input width, all biased or none")
         self.linears = tuple(linears)
         self._packed: DerivedWeights[torch.Tensor] = DerivedWeights(lambda *weights: pack(torch.cat(weights)))
+        self._out_features = sum(linear.out_features for linear in linears)
 
     @staticmethod
     def stackable(linears: Sequence[nn.Module]) -> bool:
@@ -176,18 +195,35 @@ class StackedLinears:
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """`x`: `[rows, in_features]` in the weights' dtype. Biases as a `PackedLinear` reads its own: at each call."""
+        """`x`: `[rows, in_features]` in the weights' dtype. Biases as a `PackedLinear` reads its own: at each call.
+        Float32 steps of a few rows, where asked for, take the few-row kernel on each layer's dense weight (none is
+        stacked), each writing its columns of one output."""
+        if x.shape[0] <= FEW_ROWS and self.linears[0].few_rows_weight() is not None:
+            few_rows = cpu_kernels.few_rows(torch.float32)
+            if few_rows is not None:
+                return self._few_rows(few_rows, x.contiguous())
         weight = self._packed.of(*(linear.weight for linear in self.linears))
         biases = [linear.bias.detach() for linear in self.linears if linear.bias is not None]
         return packed_product(x, weight, torch.cat(biases) if biases else None)
 
+    def _few_rows(self, few_rows: cpu_kernels.FewRows, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], self._out_features)
+        first = 0
+        for linear in self.linears:
+            bias = None if linear.bias is None else linear.bias.detach()
+            few_rows(x, linear.weight.detach(), bias, out[:, first : first + linear.out_features])
+            first += linear.out_features
+        return out
 
-def prepack(model: Any) -> int:
+
+def prepack(model: Any, *, float32_few_rows: bool = False) -> int:
     """Swaps every float32 or bfloat16 CPU `nn.Linear` in `model` for a `PackedLinear`; returns how many. No-op
-    without oneDNN."""
+    without oneDNN. `float32_few_rows`: float32 steps of up to `FEW_ROWS` rows take the few-row kernel (faster,
+    outputs close to but not bitwise `generate`'s)."""
     if not available():
         return 0
-    return swap_linears(model, PackedLinear.wrap, lambda linear: type(linear) is nn.Linear, PACKED_DTYPES)
+    wrap = functools.partial(PackedLinear.wrap, float32_few_rows=float32_few_rows)
+    return swap_linears(model, wrap, lambda linear: type(linear) is nn.Linear, PACKED_DTYPES)
 
 
 def swap_linears(

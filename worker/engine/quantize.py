@@ -43,8 +43,8 @@ class Int8Linear(PackedLinear):
     int8: DerivedWeights[tuple[torch.Tensor, torch.Tensor]]  # `quantize_weight`'s, made at the first int8 call
 
     @classmethod
-    def wrap(cls, linear: nn.Linear) -> Self:
-        wrapped = super().wrap(linear)
+    def wrap(cls, linear: nn.Linear, *, float32_few_rows: bool = False) -> Self:
+        wrapped = super().wrap(linear, float32_few_rows=float32_few_rows)  # unused: int8 runs every few-row step
         wrapped.int8 = DerivedWeights(quantize_weight)
         return wrapped
 

@@ -1,12 +1,14 @@
 """The CPU engine's native kernels: decode attention straight from the paged cache (`paged_decode.c`), RMSNorm
-in one call with torch's exact arithmetic (`rms_norm.c`) and bfloat16 products of a few rows at the speed the
-weights can be read (`few_rows.c`).
+in one call with torch's exact arithmetic (`rms_norm.c`) and products of a few rows at the speed the weights can be
+read (`few_rows.c` for bfloat16, `few_rows_float32.c` for float32 when asked: `LLMQ_FLOAT32_FEW_ROWS`).
 
 torch has no attention that reads keys through an index, so the pure-torch path copies every decode row's keys and
 values into a padded layout first (`paged_reads.DecodeGroup`), which cost as much as the attention itself. The C
 kernel reads them in place: measured here 1.5-2x faster than gather + SDPA for 32 decode rows, 2.5x for one.
 oneDNN's bfloat16 products read a decode step's weights at half the speed the memory gives; `few_rows.c` streams
-them (`few_rows()`, only where the CPU has AVX-512 BF16).
+them (`few_rows()`, only where the CPU has AVX-512 BF16). Its float32 twin (`few_rows(torch.float32)`, AVX2 or
+AVX-512) streams float32 weights faster than oneDNN's packed products too, but sums in another order, so the engine
+runs it only when the operator trades float32's bitwise agreement with `generate` for it.
 torch's CPU RMSNorm is seven tensor ops; the native one is one call that `rms_norm()` hands out only for a row
 width where it has just given torch's bits exactly.
 
@@ -39,6 +41,7 @@ import torch
 from worker.config import KernelBuildSettings
 from worker.engine.kernels.signatures import (
     FEW_ROWS_BF16,
+    FEW_ROWS_FLOAT32,
     PAGED_DECODE,
     PAGED_DECODE_BF16,
     RMS_NORM,
@@ -51,12 +54,14 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_decode.c")
 RMS_NORM_SOURCE = Path(__file__).with_name("rms_norm.c")
 FEW_ROWS_SOURCE = Path(__file__).with_name("few_rows.c")
+FEW_ROWS_FLOAT32_SOURCE = Path(__file__).with_name("few_rows_float32.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 EXACT_FLAGS = (*FLAGS, "-ffp-contract=off")  # no fused multiply-add where torch rounds twice
 # What runs instead where a kernel cannot be built: named in its warning.
 PAGED_DECODE_FALLBACK = "decode rows' keys and values copied into padded groups for torch SDPA, slower decode"
 RMS_NORM_FALLBACK = "torch.rms_norm, several tensor ops a norm instead of one call"
 FEW_ROWS_FALLBACK = "oneDNN's bfloat16 products for every step, about half as fast for a few rows"
+FEW_ROWS_FLOAT32_FALLBACK = "oneDNN's packed float32 products for every step, slower for a few rows"
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,22 +158,36 @@ class RmsNorm:
 
 
 class FewRows:
-    """The loaded bfloat16 product for a few rows."""
+    """The loaded product for a few rows of one dtype: bfloat16 (`few_rows.c`) or float32 (`few_rows_float32.c`)."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self._function = FEW_ROWS_BF16.bind(library)
+    def __init__(self, library: ctypes.CDLL, dtype: torch.dtype = torch.bfloat16) -> None:
+        self._function = (FEW_ROWS_BF16 if dtype == torch.bfloat16 else FEW_ROWS_FLOAT32).bind(library)
+        self.dtype = dtype
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """`x @ weight.T + bias` for contiguous bfloat16 CPU `x` `[rows, in]`, `weight` `[out, in]`, `bias` `[out]`."""
-        _require_contiguous("few_rows", torch.bfloat16, *((x, weight) if bias is None else (x, weight, bias)))
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`x @ weight.T + bias` for contiguous CPU `x` `[rows, in]`, `weight` `[out, in]`, `bias` `[out]` of the
+        kernel's dtype. Float32 may write into `out`, `[rows, out]` with contiguous rows: a column slice of a wider
+        output (products stacked side by side); returned."""
+        _require_contiguous("few_rows", self.dtype, *((x, weight) if bias is None else (x, weight, bias)))
         if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
             raise ValueError(f"few_rows: rows {tuple(x.shape)} do not fit weight {tuple(weight.shape)}")
         if bias is not None and bias.shape != (weight.shape[0],):
             raise ValueError(f"few_rows: bias {tuple(bias.shape)} does not fit weight {tuple(weight.shape)}")
-        out = x.new_empty(x.shape[0], weight.shape[0])
+        shape = (x.shape[0], weight.shape[0])
+        if out is None:
+            out = x.new_empty(shape)
+        elif self.dtype != torch.float32 or out.dtype != self.dtype or out.device.type != "cpu":
+            raise ValueError("few_rows: an `out` is taken by the float32 kernel only, float32 on the CPU")
+        elif out.shape != shape or out.stride(1) != 1 or (shape[0] > 1 and out.stride(0) < shape[1]):
+            raise ValueError(f"few_rows: out {tuple(out.shape)} is no {shape} of contiguous rows")
+        sizes = [x.shape[0], x.shape[1], weight.shape[0]]
+        if self.dtype == torch.float32:
+            sizes.append(out.stride(0))
         self._function(
-            x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-            x.shape[0], x.shape[1], weight.shape[0], torch.get_num_threads(),
+            x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), *sizes,
+            torch.get_num_threads(),
         )  # fmt: skip
         return out
 
@@ -194,12 +213,17 @@ def load(cache_dtype: torch.dtype = torch.float32) -> PagedDecode | None:
 
 
 @functools.cache
-def few_rows() -> FewRows | None:
-    """The bfloat16 few-row product, built and loaded; None where the CPU lacks AVX-512 BF16 or it cannot be built."""
-    if not native_bfloat16():
+def few_rows(dtype: torch.dtype = torch.bfloat16) -> FewRows | None:
+    """The few-row product for `dtype`, built and loaded: bfloat16 where the CPU has AVX-512 BF16, float32 where it
+    has AVX2 and FMA or AVX-512; None elsewhere, for another dtype, or where it cannot be built."""
+    if dtype == torch.bfloat16 and native_bfloat16():
+        library = _library(FEW_ROWS_SOURCE, FEW_ROWS_BF16, FLAGS, "few-row bfloat16 kernel", FEW_ROWS_FALLBACK)
+    elif dtype == torch.float32:
+        name, fallback = "few-row float32 kernel", FEW_ROWS_FLOAT32_FALLBACK
+        library = _library(FEW_ROWS_FLOAT32_SOURCE, FEW_ROWS_FLOAT32, FLAGS, name, fallback)
+    else:
         return None
-    library = _library(FEW_ROWS_SOURCE, FEW_ROWS_BF16, FLAGS, "few-row bfloat16 kernel", FEW_ROWS_FALLBACK)
-    return None if library is None else FewRows(library)
+    return None if library is None else FewRows(library, dtype)
 
 
 def native_bfloat16() -> bool:

@@ -119,3 +119,18 @@ FEW_ROWS_BF16 = Signature(
         ("int", "threads"),
     ),
 )
+FEW_ROWS_FLOAT32 = Signature(  # `out_stride`: the output's row length, above `out_features` for a column slice
+    "llmq_few_rows_float32",
+    "void",
+    (
+        ("const float *", "x"),
+        ("const float *", "weight"),
+        ("const float *", "bias"),
+        ("float *", "out"),
+        ("int64_t", "rows"),
+        ("int64_t", "in_features"),
+        ("int64_t", "out_features"),
+        ("int64_t", "out_stride"),
+        ("int", "threads"),
+    ),
+)
