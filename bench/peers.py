@@ -1,11 +1,13 @@
 """The engine against llama.cpp and vLLM's CPU engine on the same weights and workload, side by side in one run.
 
     python -m bench.peers [--gguf smollm2-f32.gguf] [--vllm-python VENV/bin/python] [--requests 64]
-                          [--max-running 32] [--no-bfloat16]
+                          [--max-running 32] [--no-bfloat16] [--float32-few-rows]
 
 Runs `bench.engine`'s busy workload (prompts 16-256 tokens; outputs 70 % 16-64 and 30 % 128-384; greedy, EOS
 ignored) and a lone request (a 64-token prompt, 48 tokens) through:
-- the engine in float32, and in bfloat16 where the CPU has native bfloat16 products;
+- the engine in float32, and in bfloat16 where the CPU has native bfloat16 products, and with `--float32-few-rows`
+  in float32 with the few-row kernel (`LLMQ_FLOAT32_FEW_ROWS`: `few_rows_*` figures, its agreement with the
+  engine's float32 tokens, and its lone ratio to llama.cpp's);
 - llama.cpp through `llama-cpp-python` (not a project dependency), on a GGUF file of the same weights (`--gguf`):
   its low-level batch API, the way its own server batches: up to `--max-running` sequences share each
   `llama_decode` call, a finished one leaves and a waiting one joins at once (continuous batching), one unified KV
@@ -46,6 +48,7 @@ from bench.engine import (
     engine_config,
     first_differences,
     load_bfloat16,
+    load_float32_few_rows,
     run_engine,
 )
 from bench.vllm_driver import MARK
@@ -202,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-running", type=int, default=MAX_RUNNING)
     parser.add_argument("--no-bfloat16", action="store_true", help="skip the engine in bfloat16")
+    parser.add_argument("--float32-few-rows", action="store_true", help="also the engine with the few-row kernel")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     model, tokenizer = load_model(DEFAULT_MODEL)
@@ -218,6 +222,11 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_bfloat16 and native_bfloat16():
         bf16_s, bf16_lone, _ = engine_figures(load_bfloat16(False, "cpu"), tokenizer, jobs, args.max_running)
         print(f"engine bfloat16  {useful / bf16_s:7.1f} tok/s busy   {bf16_lone:6.1f} ms/token alone")
+    few_s = few_lone = few_out = None
+    if args.float32_few_rows:
+        few_model = load_float32_few_rows(False, "cpu", "auto")
+        few_s, few_lone, few_out = engine_figures(few_model, tokenizer, jobs, args.max_running)
+        print(f"engine few-rows  {useful / few_s:7.1f} tok/s busy   {few_lone:6.1f} ms/token alone")
 
     def ratio(numerator: float | None, denominator: float | None) -> float | None:
         return None if numerator is None or denominator is None else round(numerator / denominator, 3)
@@ -237,7 +246,12 @@ def main(argv: list[str] | None = None) -> None:
         "engine_lone_ms": round(engine_lone, 2),
         "bf16_engine_tok_s": None if bf16_s is None else round(useful / bf16_s, 2),
         "bf16_lone_ms": None if bf16_lone is None else round(bf16_lone, 2),
+        "few_rows_engine_tok_s": None if few_s is None else round(useful / few_s, 2),
+        "few_rows_lone_ms": None if few_lone is None else round(few_lone, 2),
     }
+    if few_out is not None:
+        same, first_diff = agreement("the few-row engine", few_out)
+        figures |= {"few_rows_matches_engine": same, "few_rows_first_diff_mean": first_diff}
     if args.gguf is not None:
         longest = max(len(job.prompt_ids) + job.max_new_tokens for job in jobs)
         llama = LlamaCpp(args.gguf, args.max_running, args.max_running * longest, threads)
@@ -257,6 +271,7 @@ def main(argv: list[str] | None = None) -> None:
             "bf16_busy_ratio_llama_cpp": ratio(llama_s, bf16_s),
             "lone_ratio_llama_cpp": ratio(engine_lone, llama_lone),  # engine ms over llama.cpp's: below 1 is faster
             "bf16_lone_ratio_llama_cpp": ratio(bf16_lone, llama_lone),
+            "few_rows_lone_ratio_llama_cpp": ratio(few_lone, llama_lone),
             "llama_cpp_matches_engine": same,
             "llama_cpp_first_diff_mean": first_diff,
         }
@@ -278,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{tag}_matches_engine": same,
                 f"{tag}_first_diff_mean": first_diff,
             }
-        best_engine_s = min(engine_s, bf16_s or engine_s)
+        best_engine_s = min(seconds for seconds in (engine_s, bf16_s, few_s) if seconds is not None)
         figures["busy_ratio_vllm"] = ratio(min(vllm_busy_s), best_engine_s)  # best mode against best mode: above 1 wins
         print(f"busy, the engine's best mode against vLLM's: {figures['busy_ratio_vllm']}x")
     print_json(figures)
