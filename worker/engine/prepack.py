@@ -51,8 +51,9 @@ _linear_pointwise: Any = getattr(torch.ops.mkldnn, "_linear_pointwise", None)  #
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # Bfloat16 products of up to this many rows run the few-row kernel. On SmolLM2's 30 layers, weights out of the caches,
 # 2 threads, it took 8.7 ms at 1 row against oneDNN's 18.8 (2.15x), 1.5x at 4, 1.1x at 6, 0.9x at 8: past a few rows
-# the kernel's sums, not the reads, take the time, and oneDNN's AMX tiles do those better. Float32's, where asked,
-# ran 1.3x oneDNN's packed products at 1 row and 1.2-2x at 2-6 on an AVX2 EPYC, 1.1x at 8.
+# the kernel's sums, not the reads, take the time, and oneDNN's AMX tiles do those better. Float32's, where asked, on
+# an AVX2 EPYC: 19.5 ms against oneDNN's packed 23.6 at 1 row (1.21x), 1.8-2.0x at 2-4 (oneDNN reads its layout at
+# half speed there), 1.3x at 5-6, 1.07x at 8.
 FEW_ROWS = 6
 
 
