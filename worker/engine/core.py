@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from client.tool_calls import ToolSyntax
-from worker.engine import library
+from worker.engine import library, openmp
 from worker.engine.constraints import Grammars
 from worker.engine.errors import EngineClosed, EngineError, EngineFailed, RequestRejected
 from worker.engine.inputs import InputProcessor, ModelLimits
@@ -317,6 +317,7 @@ class Engine:
             prompt_scores=self._prompt_scores,
         )
         manager = library.start(self.model, self.config, self.eos_token_ids, hooks)
+        openmp.release_idle_threads()  # this thread allocated the cache; the steps run in the library's
         self._per_row = manager.per_row
         self._num_blocks = manager.num_blocks
         self._inputs = InputProcessor(

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from worker.engine import openmp
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2"
@@ -72,6 +74,7 @@ def load_model(spec: str = DEFAULT_MODEL, options: LoadOptions | None = None) ->
         from worker.engine.prepack import prepack
 
         prepack(model, float32_few_rows=options.float32_few_rows)  # only CPU layers; a no-op elsewhere
+    openmp.release_idle_threads()  # the engine's steps run in another thread: this one's OpenMP team would slow them
     return model, tokenizer
 
 
