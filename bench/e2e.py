@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
-from bench.engine import MAX_RUNNING, busy_workload, engine_config, run_engine
+from bench.engine import MAX_RUNNING, engine_config, load_busy, run_engine
 from bench.workload import Job, peak_rss_mb, percentile, print_json
 from client import AsyncClient
 from worker.embedded_redis import RedisServer
-from worker.engine import DEFAULT_MODEL, EngineConfig, LoadOptions, load_model
+from worker.engine import DEFAULT_MODEL, EngineConfig, LoadOptions
 
 STATIC_MAX_BATCH = 32
 
@@ -174,9 +174,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     options = LoadOptions(device=args.device, dtype=args.dtype)
     if args.quick:
         options = replace(options, cache_dir=workdir / "cache")
-    model, tokenizer = load_model(model_spec, options)
-    model.generation_config.eos_token_id = None
-    jobs = busy_workload(model.config.vocab_size, args.requests)
+    model, tokenizer, jobs = load_busy(args.requests, model_spec, options)
     useful = sum(job.max_new_tokens for job in jobs)
     config = engine_config(jobs, MAX_RUNNING)
     print(

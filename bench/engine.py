@@ -129,6 +129,15 @@ def busy_workload(vocab_size: int, count: int, seed: int = 0) -> list[Job]:
     return jobs
 
 
+def load_busy(
+    requests: int, spec: str = DEFAULT_MODEL, options: LoadOptions | None = None
+) -> tuple[Any, Any, list[Job]]:
+    """The model with EOS ignored (every request generates all it asked for), its tokenizer and the busy workload."""
+    model, tokenizer = load_model(spec, options)
+    model.generation_config.eos_token_id = None
+    return model, tokenizer, busy_workload(model.config.vocab_size, requests)
+
+
 def engine_config(jobs: list[Job], max_running: int) -> EngineConfig:
     """Room for `max_running` worst-case requests, so admission is bound by slots, not by KV blocks."""
     longest = max(len(job.prompt_ids) + job.max_new_tokens for job in jobs)

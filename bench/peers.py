@@ -44,17 +44,17 @@ import torch
 from bench.engine import (
     MAX_RUNNING,
     EngineProbe,
-    busy_workload,
     engine_config,
     first_differences,
     load_bfloat16,
+    load_busy,
     load_float32_few_rows,
     run_engine,
 )
 from bench.vllm_driver import MARK
 from bench.workload import Job, print_json
 from worker.engine.kernels.cpu_kernels import native_bfloat16
-from worker.engine.loader import DEFAULT_MODEL, load_model, model_folder
+from worker.engine.loader import DEFAULT_MODEL, model_folder
 
 LONE_PROMPT, LONE_TOKENS = 64, 48
 VLLM_DRIVER = Path(__file__).with_name("vllm_driver.py")
@@ -208,9 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--float32-few-rows", action="store_true", help="also the engine with the few-row kernel")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    model, tokenizer = load_model(DEFAULT_MODEL)
-    model.generation_config.eos_token_id = None
-    jobs = busy_workload(model.config.vocab_size, args.requests)
+    model, tokenizer, jobs = load_busy(args.requests)
     useful = sum(job.max_new_tokens for job in jobs)
     threads = torch.get_num_threads()
     print(f"workload (busy): {len(jobs)} requests, max_running {args.max_running}, {useful} useful tokens")
