@@ -1,7 +1,7 @@
 """Where a decode step's time goes: torch.profiler over 20 steps of a 32-row decode in the engine.
 
     python -m bench.step_profile [--quick] [--rows 32] [--steps 20] [--prompt 200] [--no-prepack]
-                                 [--kernel-source FILE] [--dtype bfloat16] [--top N]
+                                 [--kernel-source FILE] [--dtype bfloat16] [--float32-few-rows] [--top N]
 
 Requests with prompts of `--prompt` tokens (plus 4 per request, so lengths differ) are started together; once every
 row decodes, the profiler runs in the engine's thread for `--steps` steps. Self CPU time is summed by op family.
@@ -29,8 +29,20 @@ from worker.engine.loader import DEFAULT_MODEL, LoadOptions, load_model
 
 KERNEL_RANGE = "llmq::paged_decode"  # the native kernels are no torch ops: timed as ranges of these names
 NORM_RANGE = "llmq::rms_norm"  # counted in "other", with the norms torch runs where the native one is not used
+FEW_ROWS_RANGE = "llmq::few_rows"
+LAYER_RANGES = ("llmq::attention_in", "llmq::attention_out")  # the native decoder-layer halves (few-row float32)
 FAMILIES = {
-    "matmul": ("aten::addmm", "aten::mm", "aten::bmm", "aten::linear", "mkldnn::", "aten::mkldnn", "aten::matmul"),
+    "matmul": (
+        "aten::addmm",
+        "aten::mm",
+        "aten::bmm",
+        "aten::linear",
+        "mkldnn::",
+        "aten::mkldnn",
+        "aten::matmul",
+        FEW_ROWS_RANGE,
+    ),
+    "native layer": LAYER_RANGES,
     "attention": (
         "aten::scaled_dot_product_attention",
         "aten::_scaled_dot_product",
@@ -69,8 +81,12 @@ FAMILIES = {
 
 def _record_kernel_calls() -> None:
     """Makes the native kernels' calls show in the profile, as ranges (ctypes calls are invisible to it)."""
-    for kernel, name in ((cpu_kernels.PagedDecode, KERNEL_RANGE), (cpu_kernels.RmsNorm, NORM_RANGE)):
+    ranges = ((cpu_kernels.PagedDecode, KERNEL_RANGE), (cpu_kernels.RmsNorm, NORM_RANGE))
+    for kernel, name in (*ranges, (cpu_kernels.FewRows, FEW_ROWS_RANGE)):
         kernel.__call__ = _recorded(kernel.__call__, name)  # type: ignore[method-assign]
+    layer = cpu_kernels.DecoderLayer
+    layer.attention_in = _recorded(layer.attention_in, LAYER_RANGES[0])  # type: ignore[method-assign]
+    layer.attention_out = _recorded(layer.attention_out, LAYER_RANGES[1])  # type: ignore[method-assign]
 
 
 def _recorded(call: Any, name: str) -> Any:
@@ -152,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="auto", help="auto: float32 on CPU")
     parser.add_argument("--top", type=int, default=0, help="also list the N ops with the most self CPU time")
     parser.add_argument("--kernel-source", type=Path, help="build the decode kernel from this paged_decode.c")
+    parser.add_argument("--float32-few-rows", action="store_true", help="LLMQ_FLOAT32_FEW_ROWS: the few-row mode")
     args = parser.parse_args(argv)
     if args.kernel_source is not None:
         cpu_kernels.SOURCE = args.kernel_source.resolve(strict=True)
@@ -159,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         model, tokenizer, _ = load_bench_model(True)
     else:
-        model, tokenizer = load_model(DEFAULT_MODEL, LoadOptions(dtype=args.dtype, prepack=not args.no_prepack))
+        options = LoadOptions(dtype=args.dtype, prepack=not args.no_prepack, float32_few_rows=args.float32_few_rows)
+        model, tokenizer = load_model(DEFAULT_MODEL, options)
     print_json(asyncio.run(profile(model, tokenizer, args.rows, args.steps, args.prompt, args.top)))
 
 

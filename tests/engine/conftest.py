@@ -51,3 +51,17 @@ def reference_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> 
             torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens, attention_mask=None
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+def record_rows(monkeypatch: pytest.MonkeyPatch, kernel: type, method: str) -> list[int]:
+    """Patches `kernel.method` (a native kernel's call, whose first argument is its rows) to note each call's row
+    count in the returned list, then call through."""
+    rows_seen: list[int] = []
+    call = getattr(kernel, method)
+
+    def recorded(self: Any, rows: torch.Tensor, *args: Any) -> Any:
+        rows_seen.append(rows.shape[0])
+        return call(self, rows, *args)
+
+    monkeypatch.setattr(kernel, method, recorded)
+    return rows_seen

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.engine.conftest import reference_greedy
+from tests.engine.conftest import record_rows, reference_greedy
 from tests.engine.test_engine import collect, greedy, mixed_prompts, tokens_of
 from worker.engine.kernels import cpu_kernels
 from worker.engine.kernels.cpu_kernels import FewRows
@@ -125,14 +125,7 @@ async def test_an_engine_with_it_answers_in_full_close_to_generate(
     arrives, the decode steps' products run the kernel and the engine reports it; greedy tokens follow float32
     `generate` (the default model's agreement figures are the engine benchmark's: a decisive tiny model leaves no
     near-tie to flip)."""
-    calls: list[int] = []
-    kernel_call = FewRows.__call__
-
-    def counted(self: FewRows, x: torch.Tensor, *args: Any) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return kernel_call(self, x, *args)
-
-    monkeypatch.setattr(FewRows, "__call__", counted)
+    calls = record_rows(monkeypatch, FewRows, "__call__")
     options = LoadOptions(cache_dir=tiny_model_dir / "cache", float32_few_rows=True)
     model, tokenizer = load_model(str(tiny_model_dir), options)
     assert any(getattr(module, "float32_few_rows", False) for module in model.modules())

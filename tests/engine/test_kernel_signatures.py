@@ -14,6 +14,8 @@ import pytest
 
 from worker.engine.kernels import cpu_kernels
 from worker.engine.kernels.signatures import (
+    ATTENTION_IN_FLOAT32,
+    ATTENTION_OUT_FLOAT32,
     FEW_ROWS_BF16,
     FEW_ROWS_FLOAT32,
     PAGED_DECODE,
@@ -29,6 +31,8 @@ KERNELS = [
     (cpu_kernels.RMS_NORM_SOURCE, RMS_NORM),
     (cpu_kernels.FEW_ROWS_SOURCE, FEW_ROWS_BF16),
     (cpu_kernels.FEW_ROWS_FLOAT32_SOURCE, FEW_ROWS_FLOAT32),
+    (cpu_kernels.DECODER_LAYER_FLOAT32_SOURCE, ATTENTION_IN_FLOAT32),
+    (cpu_kernels.DECODER_LAYER_FLOAT32_SOURCE, ATTENTION_OUT_FLOAT32),
 ]
 
 
@@ -89,3 +93,22 @@ def test_a_source_that_disagrees_with_its_declaration_does_not_build(
     with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
         assert cpu_kernels.load() is None
     assert "declaration" in caplog.text and "llmq_paged_decode" in caplog.text  # the compiler's complaint, logged
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_a_kernel_is_rebuilt_when_a_source_it_includes_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decoder layer includes the few-row and RMSNorm sources: a change to either is a new build, never the
+    cached binary of the old code."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    sources = tmp_path / "kernels"
+    sources.mkdir()
+    for path in cpu_kernels.DECODER_LAYER_FLOAT32_SOURCE.parent.glob("*.[ch]"):
+        (sources / path.name).write_bytes(path.read_bytes())
+    layer = sources / cpu_kernels.DECODER_LAYER_FLOAT32_SOURCE.name
+    declared = (ATTENTION_IN_FLOAT32, ATTENTION_OUT_FLOAT32)
+    first = cpu_kernels._built(layer, declared, cpu_kernels.EXACT_FLAGS)
+    assert cpu_kernels._built(layer, declared, cpu_kernels.EXACT_FLAGS) == first
+    included = sources / "few_rows_float32.c"
+    included.write_text(included.read_text().replace("#define ROWS 4", "#define ROWS 2"))
+    second = cpu_kernels._built(layer, declared, cpu_kernels.EXACT_FLAGS)
+    assert second != first and second.exists()

@@ -35,8 +35,12 @@ async def run(engine: Any, request_id: str, params: GenerationParams, **fields: 
 def crowd(engine: Any, count: int) -> list[Any]:
     """Unseeded sampled requests of other lengths, to share the batch with."""
     return [
-        run(engine, f"other-{i}", GenerationParams(max_new_tokens=10 + i % 7, temperature=1.0, ignore_eos=True),
-            ids=[9 + i, 3, 4 + i % 5])
+        run(
+            engine,
+            f"other-{i}",
+            GenerationParams(max_new_tokens=10 + i % 7, temperature=1.0, ignore_eos=True),
+            ids=[9 + i, 3, 4 + i % 5],
+        )
         for i in range(count)
     ]
 
@@ -111,16 +115,24 @@ async def test_response_formats_hold_in_a_mixed_batch_and_a_bad_schema_is_refuse
 ) -> None:
     engine = await make_engine(llama_dir, max_running=16)
     constrained = [
-        run(engine, f"schema-{i}", GenerationParams(max_new_tokens=64, temperature=t, seed=i,
-                                                    output_format=json_schema_format(SCHEMA)), ids=[5 + i, 6])
+        run(
+            engine,
+            f"schema-{i}",
+            GenerationParams(max_new_tokens=64, temperature=t, seed=i, output_format=json_schema_format(SCHEMA)),
+            ids=[5 + i, 6],
+        )
         for i, t in enumerate([0, 0.8, 0, 1.2])
     ]
     regex = run(engine, "regex", GenerationParams(max_new_tokens=16, output_format=OutputFormat("regex", "[0-9]{3}")))
-    json_object = run(engine, "object", GenerationParams(max_new_tokens=200, temperature=0,
-                                                         output_format=OutputFormat("json_object")))
+    json_object = run(
+        engine, "object", GenerationParams(max_new_tokens=200, temperature=0, output_format=OutputFormat("json_object"))
+    )
     with pytest.raises(RequestRejected, match="does not compile"):
-        engine.submit(EngineRequest("bad", input_ids=PROMPT,
-                                    params=GenerationParams(output_format=json_schema_format({"type": "nonsense"}))))
+        engine.submit(
+            EngineRequest(
+                "bad", input_ids=PROMPT, params=GenerationParams(output_format=json_schema_format({"type": "nonsense"}))
+            )
+        )
     results = await asyncio.gather(*constrained, regex, json_object, *crowd(engine, 6))
     decode = lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     for tokens, _ in results[:4]:
@@ -129,8 +141,9 @@ async def test_response_formats_hold_in_a_mixed_batch_and_a_bad_schema_is_refuse
     assert results[4][0][-1] in engine.eos_token_ids  # the grammar ended, so the request did, with EOS
 
 
-def reference_penalized(model: Any, prompt: list[int], count: int, repetition: float, presence: float,
-                        frequency: float) -> list[int]:
+def reference_penalized(
+    model: Any, prompt: list[int], count: int, repetition: float, presence: float, frequency: float
+) -> list[int]:
     """Greedy decoding with the penalties applied by hand, one full forward per token."""
     output: list[int] = []
     for _ in range(count):
@@ -151,8 +164,14 @@ async def test_penalties_match_a_reference_implementation(
 ) -> None:
     model, _ = load(llama_dir)  # the reference's own copy: the engine switches its model's attention
     engine = await make_engine(llama_dir)
-    params = GenerationParams(max_new_tokens=24, temperature=0, ignore_eos=True, repetition_penalty=repetition,
-                              presence_penalty=presence, frequency_penalty=frequency)
+    params = GenerationParams(
+        max_new_tokens=24,
+        temperature=0,
+        ignore_eos=True,
+        repetition_penalty=repetition,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+    )
     (penalized, _), (plain, _), *_ = await asyncio.gather(
         run(engine, "penalized", params),
         run(engine, "plain", GenerationParams(max_new_tokens=24, temperature=0, ignore_eos=True)),

@@ -27,7 +27,7 @@ from torch.nn import functional
 
 from worker.engine.attention import ATTENTION_NAME, varlen_sdpa_forward
 from worker.engine.kernels import cpu_kernels
-from worker.engine.prepack import PackedLinear, StackedLinears, packed_product
+from worker.engine.prepack import FEW_ROWS, PackedLinear, StackedLinears, packed_product
 
 # Decoder layers whose forward this reproduces (checked against the library's, bitwise, in tests), by model type.
 SUPPORTED_LAYERS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "qwen2": "Qwen2DecoderLayer"}
@@ -38,19 +38,20 @@ _MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 class RotaryTables:
     """`cos` and `signed_sin` as `[tokens, 1, head_dim]`, made from a step's position embeddings once for all layers."""
 
-    __slots__ = ("_source", "cos", "signed_sin")
+    __slots__ = ("_source", "cos", "cos_rows", "signed_sin", "signed_sin_rows")
 
     def __init__(self) -> None:
         self._source: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.cos = self.signed_sin = torch.empty(0)
+        self.cos = self.signed_sin = self.cos_rows = self.signed_sin_rows = torch.empty(0)
 
     def update(self, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> None:
         if position_embeddings is self._source:
             return
         cos, sin = position_embeddings  # [1, tokens, head_dim]
         half = sin.shape[-1] // 2
-        self.cos = cos[0].unsqueeze(1)
-        self.signed_sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1).unsqueeze(1)
+        self.cos_rows = cos[0].contiguous()  # [tokens, head_dim], as the native layer takes them
+        self.signed_sin_rows = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+        self.cos, self.signed_sin = self.cos_rows.unsqueeze(1), self.signed_sin_rows.unsqueeze(1)
         self._source = position_embeddings
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,6 +102,8 @@ def _lean_forward(layer: Any, library_forward: Any, rotary: RotaryTables) -> Any
     heads = q_proj.out_features // head_dim
     rotated_width = q_proj.out_features + k_proj.out_features  # q and k, side by side in `attention_in`'s output
     intermediate = layer.get_submodule(_MLP[0]).out_features
+    native = _native_layer(layer, hidden_size)
+    kv_heads = k_proj.out_features // head_dim
 
     def forward(
         hidden_states: torch.Tensor,
@@ -129,15 +132,24 @@ def _lean_forward(layer: Any, library_forward: Any, rotary: RotaryTables) -> Any
         rotary.update(position_embeddings)
         residual = hidden_states[0]  # [tokens, hidden]
         tokens = residual.shape[0]
-        x = rms_norm(residual, norm_in.weight, norm_in.variance_epsilon)
-        qkv = attention_in(x)  # [tokens, (heads + 2 * kv_heads) * head_dim]
-        rotated = rotary.apply(qkv[:, :rotated_width].view(tokens, -1, head_dim)).transpose(0, 1).unsqueeze(0)
-        query, key = rotated[:, :heads], rotated[:, heads:]
-        value = qkv[:, rotated_width:].view(tokens, -1, head_dim).transpose(0, 1).unsqueeze(0)
+        in_one_call = native if tokens <= FEW_ROWS else None
+        if in_one_call is not None:  # the norm, q/k/v and rotary in one native call
+            residual = residual.contiguous()
+            states = in_one_call.attention_in(residual, rotary.cos_rows, rotary.signed_sin_rows)
+            states = states.view(tokens, -1, head_dim).transpose(0, 1).unsqueeze(0)  # [1, all heads, tokens, dim]
+            query, key, value = states[:, :heads], states[:, heads : heads + kv_heads], states[:, heads + kv_heads :]
+        else:
+            x = rms_norm(residual, norm_in.weight, norm_in.variance_epsilon)
+            qkv = attention_in(x)  # [tokens, (heads + 2 * kv_heads) * head_dim]
+            rotated = rotary.apply(qkv[:, :rotated_width].view(tokens, -1, head_dim)).transpose(0, 1).unsqueeze(0)
+            query, key = rotated[:, :heads], rotated[:, heads:]
+            value = qkv[:, rotated_width:].view(tokens, -1, head_dim).transpose(0, 1).unsqueeze(0)
         kwargs.update(position_ids=position_ids, use_cache=use_cache)
         if cache is not None:
             key, value = cache.update(key, value, attn.layer_idx, kwargs=kwargs)
         attended, _ = varlen_sdpa_forward(attn, query, key, value, attention_mask, scaling=attn.scaling, **kwargs)
+        if in_one_call is not None:  # output projection, residual, norm, MLP, residual in one native call
+            return in_one_call.attention_out(attended.view(tokens, -1), residual).unsqueeze(0)
         hidden = output(attended.view(tokens, -1)).add_(residual)
         x = rms_norm(hidden, norm_post.weight, norm_post.variance_epsilon)
         gate_up = mlp_in(x)  # [tokens, 2 * intermediate]
@@ -145,6 +157,43 @@ def _lean_forward(layer: Any, library_forward: Any, rotary: RotaryTables) -> Any
         return down_proj(gated).add_(hidden).unsqueeze(0)
 
     return forward
+
+
+class _NativeLayer:
+    """A layer's float32 weights bound to the native decoder-layer halves (`cpu_kernels.DecoderLayer`), read from
+    the modules at every call (so a weight replaced or changed in place is the one used)."""
+
+    def __init__(self, layer: Any, kernel: cpu_kernels.DecoderLayer) -> None:
+        self.kernel = kernel
+        self.norm_in, self.norm_post = layer.input_layernorm, layer.post_attention_layernorm
+        self.attention = tuple(layer.get_submodule(name) for name in _PROJECTIONS[:3])
+        self.output = layer.get_submodule(_PROJECTIONS[3])
+        self.mlp = tuple(layer.get_submodule(name) for name in _MLP)
+
+    def attention_in(self, residual: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        norm = (self.norm_in.weight, self.norm_in.variance_epsilon)
+        return self.kernel.attention_in(residual, norm, *_weights_and_biases(self.attention), cos, signed_sin)
+
+    def attention_out(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        norm = (self.norm_post.weight, self.norm_post.variance_epsilon)
+        output = (self.output.weight, self.output.bias)
+        return self.kernel.attention_out(attended.contiguous(), residual, output, norm, *_weights_and_biases(self.mlp))
+
+
+def _weights_and_biases(linears: tuple[Any, ...]) -> tuple[Any, Any]:
+    return tuple(linear.weight for linear in linears), tuple(linear.bias for linear in linears)
+
+
+def _native_layer(layer: Any, hidden_size: int) -> _NativeLayer | None:
+    """The layer on the native float32 halves, where its products take the few-row kernel (`LLMQ_FLOAT32_FEW_ROWS`,
+    whose rounding the halves share) and the kernel builds here; else None."""
+    linears = [layer.get_submodule(name) for name in (*_PROJECTIONS, *_MLP)]
+    if not all(type(linear) is PackedLinear and linear.few_rows_weight() is not None for linear in linears):
+        return None
+    if cpu_kernels.few_rows(torch.float32) is None:
+        return None
+    kernel = cpu_kernels.decoder_layer(hidden_size)
+    return None if kernel is None else _NativeLayer(layer, kernel)
 
 
 def _rms_norm(width: int, dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:

@@ -422,6 +422,10 @@ def engine_paths(model: Any, varlen: bool, lean: bool, paged: bool, compiled: bo
         # lean_layers' choice: the native RMSNorm for float32 where it builds (cached: no second build here)
         native = weight.dtype == torch.float32 and cpu_kernels.rms_norm(int(weight.shape[0])) is not None
         paths["rms_norm"] = "compiled" if native else "fallback"
+        if _asks_few_rows(model):  # lean_layers' native halves of a few-row float32 layer, where they build
+            width = int(weight.shape[0])
+            built = native and cpu_kernels.few_rows(torch.float32) is not None and cpu_kernels.decoder_layer(width)
+            paths["decoder_layer"] = "compiled" if built else "fallback"
     return paths
 
 

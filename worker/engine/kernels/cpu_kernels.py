@@ -30,6 +30,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -40,6 +41,8 @@ import torch
 
 from worker.config import KernelBuildSettings
 from worker.engine.kernels.signatures import (
+    ATTENTION_IN_FLOAT32,
+    ATTENTION_OUT_FLOAT32,
     FEW_ROWS_BF16,
     FEW_ROWS_FLOAT32,
     PAGED_DECODE,
@@ -55,6 +58,7 @@ SOURCE = Path(__file__).with_name("paged_decode.c")
 RMS_NORM_SOURCE = Path(__file__).with_name("rms_norm.c")
 FEW_ROWS_SOURCE = Path(__file__).with_name("few_rows.c")
 FEW_ROWS_FLOAT32_SOURCE = Path(__file__).with_name("few_rows_float32.c")
+DECODER_LAYER_FLOAT32_SOURCE = Path(__file__).with_name("decoder_layer_float32.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 EXACT_FLAGS = (*FLAGS, "-ffp-contract=off")  # no fused multiply-add where torch rounds twice
 # What runs instead where a kernel cannot be built: named in its warning.
@@ -62,6 +66,7 @@ PAGED_DECODE_FALLBACK = "decode rows' keys and values copied into padded groups 
 RMS_NORM_FALLBACK = "torch.rms_norm, several tensor ops a norm instead of one call"
 FEW_ROWS_FALLBACK = "oneDNN's bfloat16 products for every step, about half as fast for a few rows"
 FEW_ROWS_FLOAT32_FALLBACK = "oneDNN's packed float32 products for every step, slower for a few rows"
+DECODER_LAYER_FALLBACK = "the lean layer's torch ops around the few-row products, slower for a few rows"
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +197,110 @@ class FewRows:
         return out
 
 
+class DecoderLayer:
+    """The loaded float32 decoder layer halves for hidden rows of one width: before attention (`attention_in`) and
+    after it (`attention_out`). Every weight `[out, in]` and bias is checked against the others' shapes at each
+    call (the C code trusts them); biases may be None."""
+
+    def __init__(self, library: ctypes.CDLL, width: int, lanes: int) -> None:
+        self._attention_in = ATTENTION_IN_FLOAT32.bind(library)
+        self._attention_out = ATTENTION_OUT_FLOAT32.bind(library)
+        self.width, self.lanes = width, lanes
+
+    def attention_in(
+        self,
+        hidden: torch.Tensor,
+        norm: tuple[torch.Tensor, float],
+        weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """`[q | k | v]` of `RMSNorm(hidden) * norm[0]` (eps `norm[1]`), q and k rotated per head with `cos` and
+        `signed_sin` (`[rows, head_dim]`, the sine's first half negated): `[rows, q_out + 2 * kv_out]`."""
+        rows, head_dim = hidden.shape[0], cos.shape[-1]
+        _require_rows("attention_in", hidden, self.width)
+        _require_product("attention_in", weights, biases, self.width)
+        _require_contiguous("attention_in", torch.float32, norm[0], cos, signed_sin)
+        q_width, kv_width = weights[0].shape[0], weights[1].shape[0]
+        if (
+            weights[2].shape[0] != kv_width
+            or norm[0].shape != (self.width,)
+            or cos.shape != (rows, head_dim)
+            or signed_sin.shape != cos.shape
+            or head_dim % 2
+            or q_width % head_dim
+            or kv_width % head_dim
+        ):
+            raise ValueError(f"attention_in: q {q_width}, k/v {kv_width}, rotary {tuple(cos.shape)} do not fit")
+        qkv = hidden.new_empty(rows, q_width + 2 * kv_width)
+        status = self._attention_in(
+            hidden.data_ptr(), norm[0].data_ptr(), norm[1], self.lanes, *_pointers(weights), *_pointers(biases),
+            cos.data_ptr(), signed_sin.data_ptr(), qkv.data_ptr(), rows, self.width, q_width, kv_width, head_dim,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("attention_in could not allocate its scratch rows")
+        return qkv
+
+    def attention_out(
+        self,
+        attended: torch.Tensor,
+        residual: torch.Tensor,
+        output: tuple[torch.Tensor, torch.Tensor | None],
+        norm: tuple[torch.Tensor, float],
+        weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+    ) -> torch.Tensor:
+        """`h + down(SiLU(gate(n)) * up(n))`, where `h = residual + o(attended)` with `output` = (o's weight, bias)
+        and `n = RMSNorm(h) * norm[0]`; `weights` and `biases` are gate's, up's and down's: `[rows, width]`."""
+        rows, intermediate = residual.shape[0], weights[0].shape[0]
+        _require_rows("attention_out", residual, self.width)
+        _require_rows("attention_out", attended, output[0].shape[1] if output[0].dim() == 2 else -1)
+        _require_product("attention_out", output[:1], output[1:], attended.shape[1], self.width)
+        _require_product("attention_out", weights[:2], biases[:2], self.width, intermediate)
+        _require_product("attention_out", weights[2:], biases[2:], intermediate, self.width)
+        _require_contiguous("attention_out", torch.float32, norm[0])
+        if attended.shape[0] != rows or norm[0].shape != (self.width,):
+            raise ValueError(f"attention_out: attended {tuple(attended.shape)} or the norm does not fit")
+        out = residual.new_empty(rows, self.width)
+        status = self._attention_out(
+            attended.data_ptr(), residual.data_ptr(), *_pointers(output), norm[0].data_ptr(), norm[1], self.lanes,
+            *_pointers(weights), *_pointers(biases), out.data_ptr(), rows, self.width, attended.shape[1],
+            intermediate, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("attention_out could not allocate its scratch rows")
+        return out
+
+
+def _pointers(tensors: tuple[torch.Tensor | None, ...]) -> list[int | None]:
+    return [None if tensor is None else tensor.data_ptr() for tensor in tensors]
+
+
+def _require_rows(kernel: str, rows: torch.Tensor, width: int) -> None:
+    _require_contiguous(kernel, torch.float32, rows)
+    if rows.dim() != 2 or rows.shape[1] != width:
+        raise ValueError(f"{kernel}: rows {tuple(rows.shape)} are not [rows, {width}]")
+
+
+def _require_product(
+    kernel: str,
+    weights: tuple[torch.Tensor, ...],
+    biases: tuple[torch.Tensor | None, ...],
+    in_features: int,
+    out_features: int | None = None,
+) -> None:
+    """Weights `[out, in_features]` (all `out_features` wide where given), each bias None or `[out]`."""
+    _require_contiguous(kernel, torch.float32, *weights, *(bias for bias in biases if bias is not None))
+    for weight, bias in zip(weights, biases, strict=True):
+        wrong_width = out_features is not None and weight.shape[0] != out_features
+        if weight.dim() != 2 or weight.shape[1] != in_features or wrong_width:
+            raise ValueError(f"{kernel}: weight {tuple(weight.shape)} does not take rows of {in_features}")
+        if bias is not None and bias.shape != (weight.shape[0],):
+            raise ValueError(f"{kernel}: bias {tuple(bias.shape)} does not fit weight {tuple(weight.shape)}")
+
+
 def _require_contiguous(kernel: str, dtype: torch.dtype, *tensors: torch.Tensor, what: str = "tensors") -> None:
     """The C code reads raw memory of one dtype: anything else is refused before a pointer is handed over."""
     if any(t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
@@ -226,6 +335,20 @@ def few_rows(dtype: torch.dtype = torch.bfloat16) -> FewRows | None:
     return None if library is None else FewRows(library, dtype)
 
 
+@functools.cache
+def decoder_layer(width: int) -> DecoderLayer | None:
+    """The float32 decoder layer in two calls (`decoder_layer_float32.c`) for hidden rows of `width`, built and
+    loaded: where the CPU has AVX2 and FMA or AVX-512 and the native RMSNorm gives torch's bits at `width` (the
+    layer's norm is that one); else None, and the lean layer keeps its torch ops."""
+    norm = rms_norm(width)
+    if norm is None:
+        return None
+    signatures = (ATTENTION_IN_FLOAT32, ATTENTION_OUT_FLOAT32)
+    name = "float32 decoder-layer kernel"
+    library = _library(DECODER_LAYER_FLOAT32_SOURCE, signatures, EXACT_FLAGS, name, DECODER_LAYER_FALLBACK)
+    return None if library is None else DecoderLayer(library, width, norm.lanes)
+
+
 def native_bfloat16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16, which every CPU with AMX also has)."""
     supported = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
@@ -254,12 +377,13 @@ def rms_norm(width: int) -> RmsNorm | None:
 
 
 def _library(
-    source: Path, signature: Signature, flags: tuple[str, ...], name: str, fallback: str
+    source: Path, signatures: Signature | tuple[Signature, ...], flags: tuple[str, ...], name: str, fallback: str
 ) -> ctypes.CDLL | None:
-    """`source` built with `flags` against its declared `signature` (once per machine) and loaded; None where it
+    """`source` built with `flags` against its declared `signatures` (once per machine) and loaded; None where it
     cannot be built, with one warning naming why and the slower `fallback` that runs instead."""
     try:
-        return ctypes.CDLL(str(_built(source, signature, flags)))
+        declared = signatures if isinstance(signatures, tuple) else (signatures,)
+        return ctypes.CDLL(str(_built(source, declared, flags)))
     except subprocess.CalledProcessError as error:
         reason = f"{error}: {error.stderr.decode(errors='replace')[-800:]}"
     except (OSError, subprocess.SubprocessError) as error:
@@ -280,14 +404,15 @@ def _compiler(settings: KernelBuildSettings) -> str:
     return compiler
 
 
-def _built(source_path: Path, signature: Signature, flags: tuple[str, ...]) -> Path:
+def _built(source_path: Path, signatures: tuple[Signature, ...], flags: tuple[str, ...]) -> Path:
     """The cached build of `source_path`, built first on a miss. The cache is looked up before any compiler is:
     a runtime image that carries kernels its build stage compiled needs none (keyed by the compiler as named,
     `$CC` or `cc`, so both stages must name the same one)."""
     settings = KernelBuildSettings()  # read at every build, not once: a fixed compiler or cache may appear later
     source = source_path.read_bytes()
-    headers = b"".join(path.read_bytes() for path in sorted(source_path.parent.glob("*.h")))  # its #includes
-    declared = header(signature)
+    included = [*sorted(source_path.parent.glob("*.h")), *_included_sources(source_path)]  # its #includes
+    headers = b"".join(path.read_bytes() for path in included)
+    declared = header(*signatures)
     named = (settings.cc or "cc").encode()
     key = hashlib.sha256(
         b"\0".join([source, headers, declared.encode(), " ".join(flags).encode(), named, _cpu_identity()])
@@ -304,6 +429,12 @@ def _built(source_path: Path, signature: Signature, flags: tuple[str, ...]) -> P
             subprocess.run(command, check=True, capture_output=True, timeout=120)
             os.replace(staged, target)  # atomic: processes building at once each install a whole file
     return target
+
+
+def _included_sources(source_path: Path) -> list[Path]:
+    """The kernel sources `source_path` includes (`#include "other.c"`), which its build key must cover too."""
+    names = re.findall(rb'^#include "(\w+\.c)"', source_path.read_bytes(), flags=re.MULTILINE)
+    return [source_path.with_name(name.decode()) for name in names]
 
 
 def _cache_dir(xdg_cache_home: str | None) -> Path:

@@ -14,6 +14,7 @@
  * AVX-512.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 #if defined(__AVX512F__)
@@ -73,8 +74,8 @@ static inline void block(const float *restrict x, const float *restrict weight, 
         for (int r = 0; r < rows; r++) {
             const float *inputs = x + (row + r) * in_features;
             float sum = vec_sum(sums[o][r]);
-            for (int64_t tail = k; tail < in_features; tail++) /* a width that is no multiple of LANES */
-                sum += inputs[tail] * weights[tail];
+            for (int64_t tail = k; tail < in_features; tail++) /* a width that is no multiple of LANES; fused */
+                sum = fmaf(inputs[tail], weights[tail], sum);   /* whatever -ffp-contract the includer builds with */
             out[(row + r) * out_stride + first + o] = bias == 0 ? sum : sum + bias[first + o];
         }
     }
