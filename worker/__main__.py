@@ -18,10 +18,9 @@ import importlib.util  # noqa: E402
 
 from client.errors import RedisUnavailable  # noqa: E402
 
-# The `worker` extra's modules (pyproject.toml): when one is missing the command says what to install.
-EXTRA = frozenset(
-    {"torch", "transformers", "accelerate", "gguf", "pydantic_settings", "structlog", "prometheus_client"}
-)
+# The `worker` extra's modules (pyproject.toml): when one is missing the command says what to install. A tuple,
+# looked up in this order every run: what a run asks the import system for does not depend on string hashing.
+EXTRA = ("accelerate", "gguf", "prometheus_client", "pydantic_settings", "structlog", "torch", "transformers")
 ABOUT = (
     "Run one worker: it reads generation requests from a Redis queue, as many as its engine has free slots, and "
     "streams their tokens back. Start as many as you like on one Redis."
@@ -35,8 +34,8 @@ EXITS = (
 
 def extra_missing() -> bool:
     """Whether a module of the `worker` extra is not installed, found without importing it: the engine (torch,
-    seconds) is imported only once Redis answers (worker.process)."""
-    return not all(map(_installed, EXTRA))
+    seconds) is imported only once Redis answers (worker.process). Every module is looked up, none skipped."""
+    return not all([_installed(name) for name in EXTRA])
 
 
 def _installed(name: str) -> bool:

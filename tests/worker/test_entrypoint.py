@@ -88,6 +88,24 @@ def test_without_the_extra_one_line_says_what_to_install(tmp_path: Path, missing
     assert done.stderr == "llmq-worker: the worker needs the 'worker' extra: pip install 'llmq-redis[worker]'\n"
 
 
+@pytest.mark.parametrize("hash_seed", ["0", "1", "2"])
+def test_every_module_of_the_extra_is_looked_up_in_one_order(tmp_path: Path, hash_seed: str) -> None:
+    """Each run asks for all of the extra's modules in the same order, whatever the string hashing: a set's order
+    and a check that stopped at the first miss once made a run look up 'accelerate' alone on some seeds."""
+    script = (
+        "import worker.__main__ as entry; looked = []; "
+        "entry._installed = lambda name: looked.append(name) or name != 'gguf'; "
+        "print(entry.extra_missing(), *looked)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": hash_seed}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    missing, *looked = done.stdout.split()
+    assert missing == "True"
+    extra = ["accelerate", "gguf", "prometheus_client", "pydantic_settings", "structlog", "torch", "transformers"]
+    assert looked == extra
+
+
 def test_another_missing_module_is_not_blamed_on_the_extra(tmp_path: Path) -> None:
     done = command("worker.__main__", blocked=["worker.process"], cwd=tmp_path)
     assert done.returncode == 1 and "Traceback" in done.stderr and "extra" not in done.stderr

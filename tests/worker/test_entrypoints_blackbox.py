@@ -169,7 +169,7 @@ def test_the_blocker_blocks_and_logs(sandbox: Sandbox) -> None:
 
 
 def test_the_worker_really_reaches_for_torch_when_run(sandbox: Sandbox) -> None:
-    """Control: a real run does try torch (so the empty logs of --help/--version mean something)."""
+    """Control: a real run does look for torch (so the empty logs of --help/--version mean something)."""
     done = sandbox.run("llmq-worker", block=HEAVY)
     assert done.returncode != 0
     assert set(sandbox.attempted()) & {"torch", "transformers"}, sandbox.attempted()
