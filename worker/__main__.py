@@ -35,7 +35,8 @@ EXITS = (
 def extra_missing() -> bool:
     """Whether a module of the `worker` extra is not installed, found without importing it: the engine (torch,
     seconds) is imported only once Redis answers (worker.process). Every module is looked up, none skipped."""
-    return not all([_installed(name) for name in EXTRA])
+    missing = [name for name in EXTRA if not _installed(name)]
+    return bool(missing)
 
 
 def _installed(name: str) -> bool:
