@@ -114,4 +114,4 @@ def _problem(settings_cls: type[BaseModel], problem: Any) -> str:
     """One pydantic error as `--flag (ENV): message`, without the input (it may be a secret)."""
     name = str(problem["loc"][0]) if problem["loc"] else ""
     where = f"--{name.replace('_', '-')} ({_env(settings_cls, name)})" if name else settings_cls.__name__
-    return f"{where}: {problem['msg']}"
+    return f"{where}: {problem['msg'].removeprefix('Value error, ')}"  # a validator's own words, as the client's

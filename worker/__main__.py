@@ -27,8 +27,9 @@ ABOUT = (
 )
 MISSING = "llmq-worker: the worker needs the 'worker' extra: pip install 'llmq-redis[worker]'"
 EXITS = (
-    "Exit status: 0 after a drain (SIGTERM) or for --help and --version; 1 when Redis cannot be used or the "
-    "'worker' extra is not installed; 2 for a bad flag or setting."
+    "Exit status: 0 after a drain (SIGTERM) or for --help and --version; 1 when Redis cannot be used, the model "
+    "does not load or the 'worker' extra is not installed; 2 for a bad flag or setting, or an engine sizing that "
+    "does not fit in memory."
 )
 
 
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         from worker.config import Settings
 
         settings = parse(Settings, sys.argv[1:] if argv is None else argv, description=ABOUT, exits=EXITS)
-        from worker.process import serve
+        from worker.process import CannotStart, serve
     except ModuleNotFoundError as error:
         if (error.name or "").partition(".")[0] not in EXTRA:
             raise
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(serve(settings))
     except RedisUnavailable as error:
         sys.exit(f"llmq-worker: {error}")
+    except CannotStart as error:
+        print(f"llmq-worker: {error}", file=sys.stderr)
+        sys.exit(error.status)
 
 
 if __name__ == "__main__":

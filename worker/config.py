@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, DotEnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from client.protocol import DEFAULT_PREFIX, LimitSettings
@@ -185,6 +185,13 @@ class Settings(BaseSettings, LimitSettings):
     metrics_address: str = Field("0.0.0.0", description="address the metrics endpoint listens on")
     log_format: Literal["console", "json"] = Field("console", description="console for people, json for machines")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="lowest level logged")
+
+    @field_validator("model")
+    @classmethod
+    def _names_a_model(cls, model: str) -> str:
+        if not model.strip():  # else the tokenizer's loader would fail on it, in a traceback about sentencepiece
+            raise ValueError("names no model: give 'smollm2', a hub id, a folder or a .gguf file")
+        return model
 
     @model_validator(mode="after")
     def _kept_slots_leave_room(self) -> Settings:

@@ -17,6 +17,16 @@ from worker.config import Settings
 from worker.logging import configure, get_logger, redact
 
 
+class CannotStart(Exception):
+    """The worker cannot start as configured: the model does not load, or the engine's sizing does not fit in
+    memory. Its message is one line for the operator; `status` is the process's exit status (1 for what is missing
+    around the worker, 2 for a setting to change, as for a bad flag)."""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 def connect(settings: Settings) -> Redis:
     # A read that never gets its reply (a half-open connection) must fail and be retried, not hang the loop:
     # every call here is short (XREADGROUP blocks for read_block_ms at most).
@@ -65,9 +75,28 @@ async def serve(settings: Settings, *, handle_signals: bool = True) -> None:
             quantize=settings.quantize,
             float32_few_rows=settings.float32_few_rows,
         )
-        model, tokenizer = await asyncio.to_thread(load_model, settings.model, options)
+        try:
+            model, tokenizer = await asyncio.to_thread(load_model, settings.model, options)
+        except (OSError, ValueError, ImportError) as error:  # no such folder or hub id, no hub, a broken checkpoint
+            raise CannotStart(f"cannot load model {settings.model!r}: {one_line(error)}", status=1) from error
         log.info("model loaded", dtype=str(model.dtype).removeprefix("torch."), device=str(model.device))
-        async with Engine(model, tokenizer, engine_config(settings)) as engine:
+        engine = Engine(model, tokenizer, engine_config(settings))
+        try:
+            await engine.start()
+        except MemoryError as error:  # the library sizes the cache and batch buffers before allocating them
+            raise CannotStart(
+                f"the engine does not fit in memory ({one_line(error)}): lower --kv-cache-tokens, --max-running "
+                "or --max-batch-tokens",
+                status=2,
+            ) from error
+        try:
             await Worker(settings, engine, redis).run(stop, hurry)
+        finally:
+            await engine.close()
     finally:
         await redis.aclose()
+
+
+def one_line(error: BaseException) -> str:
+    """A library's message (transformers' span several lines and end in advice) as one line."""
+    return " ".join(str(error).split()) or type(error).__name__

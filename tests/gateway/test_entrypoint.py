@@ -45,9 +45,9 @@ def test_a_bad_flag_is_a_usage_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
-        (["--redis-url", "ftp://u:s3cret@h/0"], "--redis-url (LLMQ_GATEWAY_REDIS_URL): Value error, not a Redis URL"),
-        (["--ssl-certfile", "/no/cert.pem"], "--ssl-certfile (LLMQ_GATEWAY_SSL_CERTFILE): Value error, no file at"),
-        (["--api-keys", " , "], "--api-keys (LLMQ_GATEWAY_API_KEYS): Value error, names no key"),
+        (["--redis-url", "ftp://u:s3cret@h/0"], "--redis-url (LLMQ_GATEWAY_REDIS_URL): not a Redis URL"),
+        (["--ssl-certfile", "/no/cert.pem"], "--ssl-certfile (LLMQ_GATEWAY_SSL_CERTFILE): no file at"),
+        (["--api-keys", " , "], "--api-keys (LLMQ_GATEWAY_API_KEYS): names no key"),
     ],
     ids=["url", "certificate", "no-key"],
 )

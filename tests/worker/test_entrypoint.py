@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 import client
 from serverlog.cli import parse
+from testing.tiny_models import save_tiny_model
 from worker.config import Settings
 
 ROOT = Path(__file__).parent.parent.parent
@@ -158,3 +159,46 @@ def test_a_bad_value_is_a_usage_error_that_never_prints_it(
     assert stop.value.code == 2 and "hunter2" not in err
     assert "--max-running (LLMQ_MAX_RUNNING): Input should be greater than or equal to 1" in err
     assert "--page-size (LLMQ_PAGE_SIZE)" in err and "many" not in err
+
+
+def test_an_empty_model_name_is_a_usage_error(
+    no_environment: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused with the settings, not passed on to the tokenizer's loader (a traceback about sentencepiece)."""
+    with pytest.raises(SystemExit) as stop:
+        parse(Settings, ["--model", " "], description="", exits="")
+    assert stop.value.code == 2
+    assert (
+        "--model (LLMQ_MODEL): names no model: give 'smollm2', a hub id, a folder or a .gguf file"
+        in capsys.readouterr().err
+    )
+
+
+def _worker(redis_url: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("LLMQ_")} | {"PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "worker", "--redis-url", redis_url, "--metrics-port", "0", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=cwd)
+
+
+@pytest.mark.parametrize("model", ["/no/such/folder", "./missing.gguf"])
+def test_a_model_that_does_not_load_ends_in_one_line(redis_url: str, tmp_path: Path, model: str) -> None:
+    """A path that is not there is named as such (not as a malformed hub id), in one line, exit status 1."""
+    done = _worker(redis_url, tmp_path, "--model", model)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    missing = Path(model).expanduser()
+    assert (
+        done.stderr.splitlines()[-1] == f"llmq-worker: cannot load model {model!r}: no such file or folder: {missing}"
+    )
+
+
+def test_an_engine_too_big_for_memory_is_a_setting_to_change(redis_url: str, tmp_path: Path) -> None:
+    """A sizing the library's footprint check refuses ends in one line naming the settings to lower, exit status 2
+    (a setting to change, as for a bad flag)."""
+    folder = save_tiny_model(tmp_path / "model")
+    done = _worker(redis_url, tmp_path, "--model", str(folder), "--max-running", "99999999999999999999")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("llmq-worker: the engine does not fit in memory (Memory footprint "), last
+    assert last.endswith("): lower --kv-cache-tokens, --max-running or --max-batch-tokens"), last

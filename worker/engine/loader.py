@@ -82,6 +82,9 @@ def model_folder(spec: str = DEFAULT_MODEL, options: LoadOptions | None = None) 
     """What `from_pretrained` reads for `spec`: a GGUF file's converted folder (converted on first use), else the
     path or hub id as given. Peers' benchmarks load the same folder."""
     source = resolve_source(spec)
+    if not source.exists() and (spec.startswith(("/", ".", "~")) or source.suffix == ".gguf"):
+        # a path, not a hub id: say so, rather than the hub client's complaint about the id's form
+        raise FileNotFoundError(f"no such file or folder: {source}")
     return _converted_gguf(source, options or LoadOptions()) if source.suffix == ".gguf" else source
 
 
