@@ -15,7 +15,7 @@ from tests.engine.conftest import record_rows
 from tests.engine.test_engine import collect, greedy, mixed_prompts, tokens_of
 from worker.engine import lean_layers
 from worker.engine.kernels import cpu_kernels
-from worker.engine.kernels.cpu_kernels import DecoderLayer, FewRows, RmsNorm
+from worker.engine.kernels.cpu_kernels import AttentionIn, DecoderLayer, FewRows, RmsNorm
 from worker.engine.loader import LoadOptions, load_model
 from worker.engine.prepack import FEW_ROWS
 from worker.engine.types import EngineRequest
@@ -145,7 +145,7 @@ async def test_the_few_row_engine_runs_them_for_a_few_rows_beside_the_torch_ops(
     """Loaded with `float32_few_rows` (llama, and qwen2 with q/k/v biases): decode steps take the native halves,
     prompts of more than `FEW_ROWS` tokens the torch ops; tokens equal and logprobs within float32 rounding of the
     same engine on the torch ops alone. The default float32 engine never takes them."""
-    rows_seen = record_rows(monkeypatch, DecoderLayer, "attention_in")
+    rows_seen = record_rows(monkeypatch, AttentionIn, "__call__")
     options = LoadOptions(cache_dir=tiny_model_dir / "cache", float32_few_rows=True)
     model, tokenizer = load_model(str(tiny_model_dir), options)
     workload = [*mixed_prompts(model.config.vocab_size, count=4, seed=5), ([5, 6, 7], 9)]
@@ -164,8 +164,34 @@ async def test_the_few_row_engine_runs_them_for_a_few_rows_beside_the_torch_ops(
         torch.testing.assert_close(logprobs, expected_logprobs, rtol=0, atol=1e-4)
 
     monkeypatch.undo()
-    rows_seen = record_rows(monkeypatch, DecoderLayer, "attention_in")
+    rows_seen = record_rows(monkeypatch, AttentionIn, "__call__")
     default, _ = load_model(str(tiny_model_dir), LoadOptions(cache_dir=tiny_model_dir / "cache"))
     engine = await make_engine(tiny_model_dir, model=default, tokenizer=tokenizer)
     await _run(engine, workload[-1:])
     assert not rows_seen and "decoder_layer" not in engine.counters.paths
+
+
+def test_a_layer_is_bound_once_and_again_when_a_weight_is_replaced(llama_dir: Path) -> None:
+    """The lean layer's halves check its weights once; a parameter replaced, or its storage swapped through `.data`,
+    binds them again (so the native code never reads a freed tensor), while a weight changed in place keeps the
+    binding and is read as it is now."""
+    model, _ = load_model(str(llama_dir), LoadOptions(cache_dir=llama_dir / "cache", float32_few_rows=True))
+    layer = model.get_decoder().layers[0]
+    native = lean_layers._native_layer(layer, model.config.hidden_size)
+    assert native is not None
+    first = native.halves()
+    assert native.halves() == first  # nothing changed: the same bound halves
+
+    hidden = torch.randn(1, model.config.hidden_size)
+    cos, signed_sin = _rotary(1, layer.self_attn.head_dim)
+    before = first[0](hidden, cos, signed_sin)
+    with torch.no_grad():
+        layer.self_attn.q_proj.weight.mul_(2)  # in place: same binding, new values
+    assert native.halves() == first
+    assert not torch.equal(first[0](hidden, cos, signed_sin), before)
+
+    layer.mlp.up_proj.weight = torch.nn.Parameter(layer.mlp.up_proj.weight.detach().clone())
+    replaced = native.halves()
+    assert replaced[1] is not first[1]
+    layer.self_attn.v_proj.weight.data = layer.self_attn.v_proj.weight.detach().clone()
+    assert native.halves()[0] is not replaced[0]

@@ -134,8 +134,9 @@ def _lean_forward(layer: Any, library_forward: Any, rotary: RotaryTables) -> Any
         tokens = residual.shape[0]
         in_one_call = native if tokens <= FEW_ROWS else None
         if in_one_call is not None:  # the norm, q/k/v and rotary in one native call
+            attention_in_half, attention_out_half = in_one_call.halves()
             residual = residual.contiguous()
-            states = in_one_call.attention_in(residual, rotary.cos_rows, rotary.signed_sin_rows)
+            states = attention_in_half(residual, rotary.cos_rows, rotary.signed_sin_rows)
             states = states.view(tokens, -1, head_dim).transpose(0, 1).unsqueeze(0)  # [1, all heads, tokens, dim]
             query, key, value = states[:, :heads], states[:, heads : heads + kv_heads], states[:, heads + kv_heads :]
         else:
@@ -149,7 +150,7 @@ def _lean_forward(layer: Any, library_forward: Any, rotary: RotaryTables) -> Any
             key, value = cache.update(key, value, attn.layer_idx, kwargs=kwargs)
         attended, _ = varlen_sdpa_forward(attn, query, key, value, attention_mask, scaling=attn.scaling, **kwargs)
         if in_one_call is not None:  # output projection, residual, norm, MLP, residual in one native call
-            return in_one_call.attention_out(attended.view(tokens, -1), residual).unsqueeze(0)
+            return attention_out_half(attended.reshape(tokens, -1).contiguous(), residual).unsqueeze(0)
         hidden = output(attended.view(tokens, -1)).add_(residual)
         x = rms_norm(hidden, norm_post.weight, norm_post.variance_epsilon)
         gate_up = mlp_in(x)  # [tokens, 2 * intermediate]
@@ -160,24 +161,39 @@ def _lean_forward(layer: Any, library_forward: Any, rotary: RotaryTables) -> Any
 
 
 class _NativeLayer:
-    """A layer's float32 weights bound to the native decoder-layer halves (`cpu_kernels.DecoderLayer`), read from
-    the modules at every call (so a weight replaced or changed in place is the one used)."""
+    """A layer's float32 weights bound to the native decoder-layer halves (`cpu_kernels.DecoderLayer`). Bound once
+    and again whenever a parameter of the layer is replaced or its storage swapped (its tensors' addresses are
+    compared at every call, a few microseconds), so the weights used are always the modules' own."""
 
-    def __init__(self, layer: Any, kernel: cpu_kernels.DecoderLayer) -> None:
-        self.kernel = kernel
+    def __init__(self, layer: Any, kernel: cpu_kernels.DecoderLayer, head_dim: int) -> None:
+        self.kernel, self.head_dim = kernel, head_dim
         self.norm_in, self.norm_post = layer.input_layernorm, layer.post_attention_layernorm
         self.attention = tuple(layer.get_submodule(name) for name in _PROJECTIONS[:3])
         self.output = layer.get_submodule(_PROJECTIONS[3])
         self.mlp = tuple(layer.get_submodule(name) for name in _MLP)
+        self._parameters = [
+            (module._parameters, name)
+            for module in (self.norm_in, *self.attention, self.output, self.norm_post, *self.mlp)
+            for name in ("weight", "bias")
+            if name in module._parameters
+        ]
+        self._bound_to: tuple[object, ...] = ()
+        self._in: cpu_kernels.AttentionIn | None = None
+        self._out: cpu_kernels.AttentionOut | None = None
 
-    def attention_in(self, residual: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        norm = (self.norm_in.weight, self.norm_in.variance_epsilon)
-        return self.kernel.attention_in(residual, norm, *_weights_and_biases(self.attention), cos, signed_sin)
-
-    def attention_out(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        norm = (self.norm_post.weight, self.norm_post.variance_epsilon)
-        output = (self.output.weight, self.output.bias)
-        return self.kernel.attention_out(attended.contiguous(), residual, output, norm, *_weights_and_biases(self.mlp))
+    def halves(self) -> tuple[cpu_kernels.AttentionIn, cpu_kernels.AttentionOut]:
+        """The halves bound to the layer's current weights (and norm epsilons)."""
+        tensors = [parameters[name] for parameters, name in self._parameters]
+        addresses = (None if tensor is None else tensor.data_ptr() for tensor in tensors)
+        now = (*addresses, self.norm_in.variance_epsilon, self.norm_post.variance_epsilon)
+        if now != self._bound_to or self._in is None or self._out is None:
+            norm_in = (self.norm_in.weight, self.norm_in.variance_epsilon)
+            self._in = self.kernel.bind_in(norm_in, *_weights_and_biases(self.attention), self.head_dim)
+            norm_post = (self.norm_post.weight, self.norm_post.variance_epsilon)
+            output = (self.output.weight, self.output.bias)
+            self._out = self.kernel.bind_out(output, norm_post, *_weights_and_biases(self.mlp))
+            self._bound_to = now
+        return self._in, self._out
 
 
 def _weights_and_biases(linears: tuple[Any, ...]) -> tuple[Any, Any]:
@@ -193,7 +209,7 @@ def _native_layer(layer: Any, hidden_size: int) -> _NativeLayer | None:
     if cpu_kernels.few_rows(torch.float32) is None:
         return None
     kernel = cpu_kernels.decoder_layer(hidden_size)
-    return None if kernel is None else _NativeLayer(layer, kernel)
+    return None if kernel is None else _NativeLayer(layer, kernel, layer.self_attn.head_dim)
 
 
 def _rms_norm(width: int, dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:

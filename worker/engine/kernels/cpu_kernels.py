@@ -199,13 +199,57 @@ class FewRows:
 
 class DecoderLayer:
     """The loaded float32 decoder layer halves for hidden rows of one width: before attention (`attention_in`) and
-    after it (`attention_out`). Every weight `[out, in]` and bias is checked against the others' shapes at each
-    call (the C code trusts them); biases may be None."""
+    after it (`attention_out`). Every weight `[out, in]` and bias is checked against the others' shapes (the C code
+    trusts them); biases may be None. `bind_in` / `bind_out` check a layer's weights once and return its half as a
+    call that checks only the rows it is given: the lean layer's steps call those (about a hundred checks a layer and
+    step fewer); `attention_in` / `attention_out` bind and call at once."""
 
     def __init__(self, library: ctypes.CDLL, width: int, lanes: int) -> None:
         self._attention_in = ATTENTION_IN_FLOAT32.bind(library)
         self._attention_out = ATTENTION_OUT_FLOAT32.bind(library)
         self.width, self.lanes = width, lanes
+
+    def bind_in(
+        self,
+        norm: tuple[torch.Tensor, float],
+        weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+        head_dim: int,
+    ) -> AttentionIn:
+        """The half before attention with these weights: `RMSNorm(hidden) * norm[0]` (eps `norm[1]`), then q, k and
+        v (`weights`, `biases`), q and k rotated per head of `head_dim`."""
+        _require_product("attention_in", weights, biases, self.width)
+        _require_contiguous("attention_in", torch.float32, norm[0])
+        q_width, kv_width = weights[0].shape[0], weights[1].shape[0]
+        if (
+            weights[2].shape[0] != kv_width
+            or norm[0].shape != (self.width,)
+            or head_dim < 2
+            or head_dim % 2
+            or q_width % head_dim
+            or kv_width % head_dim
+        ):
+            raise ValueError(f"attention_in: q {q_width}, k/v {kv_width}, head_dim {head_dim} do not fit")
+        return AttentionIn(self, (norm[0], *weights, *biases), (norm[1], q_width, kv_width, head_dim))
+
+    def bind_out(
+        self,
+        output: tuple[torch.Tensor, torch.Tensor | None],
+        norm: tuple[torch.Tensor, float],
+        weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+    ) -> AttentionOut:
+        """The half after attention with these weights: `output` = (o's weight, bias), `norm` the post-attention
+        norm, `weights` and `biases` gate's, up's and down's."""
+        attended_width = output[0].shape[1] if output[0].dim() == 2 else -1
+        intermediate = weights[0].shape[0]
+        _require_product("attention_out", output[:1], output[1:], attended_width, self.width)
+        _require_product("attention_out", weights[:2], biases[:2], self.width, intermediate)
+        _require_product("attention_out", weights[2:], biases[2:], intermediate, self.width)
+        _require_contiguous("attention_out", torch.float32, norm[0])
+        if norm[0].shape != (self.width,):
+            raise ValueError(f"attention_out: norm {tuple(norm[0].shape)} does not fit rows of {self.width}")
+        return AttentionOut(self, (*output, norm[0], *weights, *biases), (norm[1], attended_width, intermediate))
 
     def attention_in(
         self,
@@ -218,30 +262,7 @@ class DecoderLayer:
     ) -> torch.Tensor:
         """`[q | k | v]` of `RMSNorm(hidden) * norm[0]` (eps `norm[1]`), q and k rotated per head with `cos` and
         `signed_sin` (`[rows, head_dim]`, the sine's first half negated): `[rows, q_out + 2 * kv_out]`."""
-        rows, head_dim = hidden.shape[0], cos.shape[-1]
-        _require_rows("attention_in", hidden, self.width)
-        _require_product("attention_in", weights, biases, self.width)
-        _require_contiguous("attention_in", torch.float32, norm[0], cos, signed_sin)
-        q_width, kv_width = weights[0].shape[0], weights[1].shape[0]
-        if (
-            weights[2].shape[0] != kv_width
-            or norm[0].shape != (self.width,)
-            or cos.shape != (rows, head_dim)
-            or signed_sin.shape != cos.shape
-            or head_dim % 2
-            or q_width % head_dim
-            or kv_width % head_dim
-        ):
-            raise ValueError(f"attention_in: q {q_width}, k/v {kv_width}, rotary {tuple(cos.shape)} do not fit")
-        qkv = hidden.new_empty(rows, q_width + 2 * kv_width)
-        status = self._attention_in(
-            hidden.data_ptr(), norm[0].data_ptr(), norm[1], self.lanes, *_pointers(weights), *_pointers(biases),
-            cos.data_ptr(), signed_sin.data_ptr(), qkv.data_ptr(), rows, self.width, q_width, kv_width, head_dim,
-            torch.get_num_threads(),
-        )  # fmt: skip
-        if status != 0:
-            raise MemoryError("attention_in could not allocate its scratch rows")
-        return qkv
+        return self.bind_in(norm, weights, biases, cos.shape[-1])(hidden, cos, signed_sin)
 
     def attention_out(
         self,
@@ -254,20 +275,66 @@ class DecoderLayer:
     ) -> torch.Tensor:
         """`h + down(SiLU(gate(n)) * up(n))`, where `h = residual + o(attended)` with `output` = (o's weight, bias)
         and `n = RMSNorm(h) * norm[0]`; `weights` and `biases` are gate's, up's and down's: `[rows, width]`."""
-        rows, intermediate = residual.shape[0], weights[0].shape[0]
-        _require_rows("attention_out", residual, self.width)
-        _require_rows("attention_out", attended, output[0].shape[1] if output[0].dim() == 2 else -1)
-        _require_product("attention_out", output[:1], output[1:], attended.shape[1], self.width)
-        _require_product("attention_out", weights[:2], biases[:2], self.width, intermediate)
-        _require_product("attention_out", weights[2:], biases[2:], intermediate, self.width)
-        _require_contiguous("attention_out", torch.float32, norm[0])
-        if attended.shape[0] != rows or norm[0].shape != (self.width,):
-            raise ValueError(f"attention_out: attended {tuple(attended.shape)} or the norm does not fit")
-        out = residual.new_empty(rows, self.width)
-        status = self._attention_out(
-            attended.data_ptr(), residual.data_ptr(), *_pointers(output), norm[0].data_ptr(), norm[1], self.lanes,
-            *_pointers(weights), *_pointers(biases), out.data_ptr(), rows, self.width, attended.shape[1],
-            intermediate, torch.get_num_threads(),
+        return self.bind_out(output, norm, weights, biases)(attended, residual)
+
+
+class AttentionIn:
+    """A layer's half before attention, its weights checked (`DecoderLayer.bind_in`) and held, so they outlive the
+    pointers handed to C."""
+
+    __slots__ = ("_call", "_held", "_pointers", "_sizes", "_width", "head_dim", "qkv_width")
+
+    def __init__(
+        self, kernel: DecoderLayer, tensors: tuple[torch.Tensor | None, ...], sizes: tuple[float, int, int, int]
+    ) -> None:
+        eps, q_width, kv_width, head_dim = sizes
+        self._call, self._width, self._held = kernel._attention_in, kernel.width, tensors
+        norm_weight, *products = _pointers(tensors)
+        self._pointers = (norm_weight, eps, kernel.lanes, *products)
+        self._sizes = (kernel.width, q_width, kv_width, head_dim)
+        self.head_dim, self.qkv_width = int(head_dim), int(q_width + 2 * kv_width)
+
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """`[q | k | v]` of `hidden` `[rows, width]`, with `cos` and `signed_sin` `[rows, head_dim]`."""
+        _require_rows("attention_in", hidden, self._width)
+        rows = hidden.shape[0]
+        _require_contiguous("attention_in", torch.float32, cos, signed_sin)
+        if cos.shape != (rows, self.head_dim) or signed_sin.shape != cos.shape:
+            raise ValueError(f"attention_in: rotary {tuple(cos.shape)} does not fit {rows} rows of {self.head_dim}")
+        qkv = hidden.new_empty(rows, self.qkv_width)
+        status = self._call(
+            hidden.data_ptr(), *self._pointers, cos.data_ptr(), signed_sin.data_ptr(), qkv.data_ptr(), rows,
+            *self._sizes, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("attention_in could not allocate its scratch rows")
+        return qkv
+
+
+class AttentionOut:
+    """A layer's half after attention, its weights checked (`DecoderLayer.bind_out`) and held."""
+
+    __slots__ = ("_attended_width", "_call", "_held", "_intermediate", "_pointers", "_width")
+
+    def __init__(
+        self, kernel: DecoderLayer, tensors: tuple[torch.Tensor | None, ...], sizes: tuple[float, int, int]
+    ) -> None:
+        eps, self._attended_width, self._intermediate = sizes
+        self._call, self._width, self._held = kernel._attention_out, kernel.width, tensors
+        o_weight, o_bias, norm_weight, *mlp = _pointers(tensors)
+        self._pointers = (o_weight, o_bias, norm_weight, eps, kernel.lanes, *mlp)
+
+    def __call__(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The layer's output rows for `attended` `[rows, attended width]` and `residual` `[rows, width]`."""
+        _require_rows("attention_out", residual, self._width)
+        _require_rows("attention_out", attended, self._attended_width)
+        rows = residual.shape[0]
+        if attended.shape[0] != rows:
+            raise ValueError(f"attention_out: attended {tuple(attended.shape)} does not fit {rows} rows")
+        out = residual.new_empty(rows, self._width)
+        status = self._call(
+            attended.data_ptr(), residual.data_ptr(), *self._pointers, out.data_ptr(), rows, self._width,
+            self._attended_width, self._intermediate, torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise MemoryError("attention_out could not allocate its scratch rows")
@@ -303,7 +370,7 @@ def _require_product(
 
 def _require_contiguous(kernel: str, dtype: torch.dtype, *tensors: torch.Tensor, what: str = "tensors") -> None:
     """The C code reads raw memory of one dtype: anything else is refused before a pointer is handed over."""
-    if any(t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+    if any(t.dtype != dtype or not t.is_contiguous() or not t.is_cpu for t in tensors):
         raise ValueError(f"{kernel} takes contiguous {str(dtype).removeprefix('torch.')} CPU {what}")
 
 
