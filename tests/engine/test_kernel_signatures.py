@@ -14,8 +14,12 @@ import pytest
 
 from worker.engine.kernels import cpu_kernels
 from worker.engine.kernels.signatures import (
+    ATTENTION_IN_BF16,
     ATTENTION_IN_FLOAT32,
+    ATTENTION_OUT_BF16,
     ATTENTION_OUT_FLOAT32,
+    DECODER_LAYER_BF16,
+    DECODER_LAYER_FLOAT32,
     FEW_ROWS_BF16,
     FEW_ROWS_FLOAT32,
     PAGED_DECODE,
@@ -31,8 +35,12 @@ KERNELS = [
     (cpu_kernels.RMS_NORM_SOURCE, RMS_NORM),
     (cpu_kernels.FEW_ROWS_SOURCE, FEW_ROWS_BF16),
     (cpu_kernels.FEW_ROWS_FLOAT32_SOURCE, FEW_ROWS_FLOAT32),
-    (cpu_kernels.DECODER_LAYER_FLOAT32_SOURCE, ATTENTION_IN_FLOAT32),
-    (cpu_kernels.DECODER_LAYER_FLOAT32_SOURCE, ATTENTION_OUT_FLOAT32),
+    (cpu_kernels.DECODER_LAYER_SOURCE, ATTENTION_IN_FLOAT32),
+    (cpu_kernels.DECODER_LAYER_SOURCE, ATTENTION_OUT_FLOAT32),
+    (cpu_kernels.DECODER_LAYER_SOURCE, DECODER_LAYER_FLOAT32),
+    (cpu_kernels.DECODER_LAYER_SOURCE, ATTENTION_IN_BF16),
+    (cpu_kernels.DECODER_LAYER_SOURCE, ATTENTION_OUT_BF16),
+    (cpu_kernels.DECODER_LAYER_SOURCE, DECODER_LAYER_BF16),
 ]
 
 
@@ -102,10 +110,10 @@ def test_a_kernel_is_rebuilt_when_a_source_it_includes_changes(tmp_path: Path, m
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     sources = tmp_path / "kernels"
     sources.mkdir()
-    for path in cpu_kernels.DECODER_LAYER_FLOAT32_SOURCE.parent.glob("*.[ch]"):
+    for path in cpu_kernels.DECODER_LAYER_SOURCE.parent.glob("*.[ch]"):
         (sources / path.name).write_bytes(path.read_bytes())
-    layer = sources / cpu_kernels.DECODER_LAYER_FLOAT32_SOURCE.name
-    declared = (ATTENTION_IN_FLOAT32, ATTENTION_OUT_FLOAT32)
+    layer = sources / cpu_kernels.DECODER_LAYER_SOURCE.name
+    declared = (ATTENTION_IN_FLOAT32, ATTENTION_OUT_FLOAT32, DECODER_LAYER_FLOAT32)
     first = cpu_kernels._built(layer, declared, cpu_kernels.EXACT_FLAGS)
     assert cpu_kernels._built(layer, declared, cpu_kernels.EXACT_FLAGS) == first
     included = sources / "few_rows_float32.c"

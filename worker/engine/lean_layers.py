@@ -27,6 +27,7 @@ from torch.nn import functional
 
 from worker.engine.attention import ATTENTION_NAME, varlen_sdpa_forward
 from worker.engine.kernels import cpu_kernels
+from worker.engine.paged_reads import decode_step
 from worker.engine.prepack import FEW_ROWS, PackedLinear, StackedLinears, packed_product
 
 # Decoder layers whose forward this reproduces (checked against the library's, bitwise, in tests), by model type.
@@ -104,6 +105,7 @@ def _lean_forward(layer: Any, library_forward: Any, rotary: RotaryTables) -> Any
     intermediate = layer.get_submodule(_MLP[0]).out_features
     native = _native_layer(layer, hidden_size)
     kv_heads = k_proj.out_features // head_dim
+    scale = head_dim**-0.5 if attn.scaling is None else float(attn.scaling)  # as `paged_attention` takes it
 
     def forward(
         hidden_states: torch.Tensor,
@@ -134,9 +136,16 @@ def _lean_forward(layer: Any, library_forward: Any, rotary: RotaryTables) -> Any
         tokens = residual.shape[0]
         in_one_call = native if tokens <= FEW_ROWS else None
         if in_one_call is not None:  # the norm, q/k/v and rotary in one native call
-            attention_in_half, attention_out_half = in_one_call.halves()
+            halves = in_one_call.halves()
             residual = residual.contiguous()
-            states = attention_in_half(residual, rotary.cos_rows, rotary.signed_sin_rows)
+            step = None if cache is None else decode_step(cache, attn.layer_idx, kwargs)
+            if step is not None:  # decode rows only: the whole layer, cache write and attention too, in one call
+                cache_view, writes = step
+                cos, signed_sin = rotary.cos_rows, rotary.signed_sin_rows
+                return in_one_call.kernel.decode_step(
+                    halves, residual, cos, signed_sin, cache_view, writes, scale
+                ).unsqueeze(0)
+            states = halves[0](residual, rotary.cos_rows, rotary.signed_sin_rows)
             states = states.view(tokens, -1, head_dim).transpose(0, 1).unsqueeze(0)  # [1, all heads, tokens, dim]
             query, key, value = states[:, :heads], states[:, heads : heads + kv_heads], states[:, heads + kv_heads :]
         else:
@@ -150,7 +159,7 @@ def _lean_forward(layer: Any, library_forward: Any, rotary: RotaryTables) -> Any
             key, value = cache.update(key, value, attn.layer_idx, kwargs=kwargs)
         attended, _ = varlen_sdpa_forward(attn, query, key, value, attention_mask, scaling=attn.scaling, **kwargs)
         if in_one_call is not None:  # output projection, residual, norm, MLP, residual in one native call
-            return attention_out_half(attended.reshape(tokens, -1).contiguous(), residual).unsqueeze(0)
+            return halves[1](attended.reshape(tokens, -1).contiguous(), residual).unsqueeze(0)
         hidden = output(attended.view(tokens, -1)).add_(residual)
         x = rms_norm(hidden, norm_post.weight, norm_post.variance_epsilon)
         gate_up = mlp_in(x)  # [tokens, 2 * intermediate]
@@ -201,14 +210,18 @@ def _weights_and_biases(linears: tuple[Any, ...]) -> tuple[Any, Any]:
 
 
 def _native_layer(layer: Any, hidden_size: int) -> _NativeLayer | None:
-    """The layer on the native float32 halves, where its products take the few-row kernel (`LLMQ_FLOAT32_FEW_ROWS`,
-    whose rounding the halves share) and the kernel builds here; else None."""
+    """The layer on the native decoder-layer code, where its products of a few rows take the few-row kernel (whose
+    rounding the native code shares): bfloat16 layers wherever that kernel builds, float32 ones where the operator
+    asked for it (`LLMQ_FLOAT32_FEW_ROWS`); and where the native layer builds here. Else None."""
     linears = [layer.get_submodule(name) for name in (*_PROJECTIONS, *_MLP)]
-    if not all(type(linear) is PackedLinear and linear.few_rows_weight() is not None for linear in linears):
+    if not all(type(linear) is PackedLinear for linear in linears):
         return None
-    if cpu_kernels.few_rows(torch.float32) is None:
+    dtype = layer.input_layernorm.weight.dtype
+    if any(linear.weight.dtype != dtype for linear in linears) or cpu_kernels.few_rows(dtype) is None:
         return None
-    kernel = cpu_kernels.decoder_layer(hidden_size)
+    if dtype == torch.float32 and not all(linear.few_rows_weight() is not None for linear in linears):
+        return None
+    kernel = cpu_kernels.decoder_layer(hidden_size, dtype)
     return None if kernel is None else _NativeLayer(layer, kernel, layer.self_attn.head_dim)
 
 

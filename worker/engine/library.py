@@ -53,7 +53,8 @@ from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPP
 
 from worker.engine import attention, fastpath, lean_layers, prompt_scores
 from worker.engine.kernels import cpu_kernels
-from worker.engine.paged_reads import PagedReads
+from worker.engine.kernels.cpu_kernels import DecodeWrites
+from worker.engine.paged_reads import DECODE_STEP, PagedReads
 from worker.engine.prompt_scores import PromptScores
 from worker.engine.rows import RowState
 from worker.engine.sampling import ArgumentRows, FusedSampler
@@ -380,17 +381,32 @@ def install_paged_reads(cache: Any, kernel: cpu_kernels.PagedDecode | None = Non
     library_update = cache.update
     reads = PagedReads(kernel)
 
-    def update(
-        key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: dict[str, Any]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def reading(layer_idx: int, kwargs: dict[str, Any]) -> Any:
+        """The layer's allocator on a step that reads the cache, else None."""
         allocator = cache.layer_to_allocator[layer_idx]
         read_indices = kwargs.get("read_index")
         if kwargs.get("block_table") is not None or not read_indices or read_indices[allocator.index].numel() == 0:
+            return None
+        return allocator
+
+    def update(
+        key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        allocator = reading(layer_idx, kwargs)
+        if allocator is None:
             return library_update(key_states, value_states, layer_idx, kwargs)  # no cache read: nothing to save
         view = allocator._kv_token_views[layer_idx]
         return reads.update(key_states, value_states, view, allocator.index, allocator.layer_type, kwargs)
 
+    def decode_step(
+        layer_idx: int, kwargs: dict[str, Any]
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], DecodeWrites] | None:
+        allocator = reading(layer_idx, kwargs)
+        writes = None if allocator is None else reads.decode_writes(allocator.index, allocator.layer_type, kwargs)
+        return None if writes is None else (allocator._kv_token_views[layer_idx], writes)
+
     cache.update = update
+    setattr(cache, DECODE_STEP, decode_step)
     setattr(cache, _PAGED_READS_MARK, True)
     return True
 
@@ -422,9 +438,10 @@ def engine_paths(model: Any, varlen: bool, lean: bool, paged: bool, compiled: bo
         # lean_layers' choice: the native RMSNorm for float32 where it builds (cached: no second build here)
         native = weight.dtype == torch.float32 and cpu_kernels.rms_norm(int(weight.shape[0])) is not None
         paths["rms_norm"] = "compiled" if native else "fallback"
-        if _asks_few_rows(model):  # lean_layers' native halves of a few-row float32 layer, where they build
-            width = int(weight.shape[0])
-            built = native and cpu_kernels.few_rows(torch.float32) is not None and cpu_kernels.decoder_layer(width)
+        if weight.device.type == "cpu" and (weight.dtype == torch.bfloat16 or _asks_few_rows(model)):
+            # lean_layers' native layer of a few rows (bfloat16, or float32 few-row), where it builds
+            dtype, width = weight.dtype, int(weight.shape[0])
+            built = cpu_kernels.few_rows(dtype) is not None and cpu_kernels.decoder_layer(width, dtype) is not None
             paths["decoder_layer"] = "compiled" if built else "fallback"
     return paths
 

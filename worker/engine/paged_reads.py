@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from worker.engine.kernels.cpu_kernels import DecodeRows, PagedDecode
+from worker.engine.kernels.cpu_kernels import DecodeRows, DecodeWrites, PagedDecode
 
 PAGED_KV = "llmq_paged_kv"  # the attention kwarg that carries a `PagedKV`
+DECODE_STEP = "_llmq_decode_step"  # the cache's attribute that `decode_step` calls (`library.install_paged_reads`)
 # What one more attention call costs, in padded key rows (one row = one key of one decode row): a call and its
 # gather cost about as much as ~2k key rows on CPU, so two rows of lengths 40 and 600 go to separate calls.
 GROUP_COST_ROWS = 2048
@@ -70,6 +71,7 @@ class StepPlan:
     prefill: list[tuple[int, int, int, int]]  # (q_start, q_end, k_start, k_end) in the flat query and read index
     read_index: torch.Tensor  # cache rows of every request's keys, concatenated (the library's layout)
     native: NativeDecode | None = None
+    writes: DecodeWrites | None = None  # where every row is a decode row for the kernel: a layer in one call
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +89,10 @@ def plan_step(
     read_index: torch.Tensor,
     cost_rows: int = GROUP_COST_ROWS,
     kernel: PagedDecode | None = None,
+    write_index: torch.Tensor | None = None,
 ) -> StepPlan:
     """Splits a step's requests into decode rows (one query row each: for `kernel`, else in groups) and prefill
-    chunks."""
+    chunks. A step of decode rows only, for `kernel`, also gets its `writes` (the cache rows of `write_index`)."""
     decode: list[tuple[int, int, int]] = []  # (key length, query position, key start)
     prefill = []
     for q_start, q_end, k_start, k_end in zip(
@@ -105,7 +108,10 @@ def plan_step(
             columns = zip(*decode, strict=True)
             lengths, query_rows, starts = (torch.tensor(column, dtype=torch.int64) for column in columns)
             native = NativeDecode(kernel, DecodeRows(query_rows, starts, lengths, read_index.to(torch.int64)))
-        return StepPlan([], prefill, read_index, native)
+        writes = None
+        if native is not None and not prefill and write_index is not None:
+            writes = DecodeWrites(native.rows, write_index.to(torch.int64))
+        return StepPlan([], prefill, read_index, native, writes)
     decode.sort()
     groups = [
         _group(decode[first:last], read_index) for first, last in split_by_length([d[0] for d in decode], cost_rows)
@@ -173,17 +179,41 @@ class PagedReads:
         the attention `kwargs`; returns only the new K/V, as attention reads the past through `PAGED_KV`. `group` is
         the layer's cache group (its row of `read_index` / `write_index`), `layer_type` its key of `cu_seq_lens_k`."""
         keys, values = view
-        read_indices = kwargs["read_index"]
         write_index = kwargs["write_index"][group]
         keys.index_copy_(0, write_index, key_states[0].transpose(0, 1))
         values.index_copy_(0, write_index, value_states[0].transpose(0, 1))
+        kwargs[PAGED_KV] = PagedKV(keys, values, self._plan(group, layer_type, kwargs))
+        return key_states, value_states
+
+    def decode_writes(self, group: int, layer_type: str, kwargs: dict[str, Any]) -> DecodeWrites | None:
+        """The step's `DecodeWrites` where every row is a decode row for the kernel: a layer may then write its new
+        K/V into its cache view and attend in one call (`DecoderLayer.decode_step`) instead of `update` and
+        attention; else None."""
+        return self._plan(group, layer_type, kwargs).writes
+
+    def _plan(self, group: int, layer_type: str, kwargs: dict[str, Any]) -> StepPlan:
+        """The step's plan for cache `group`, made by its first layer."""
+        read_indices = kwargs["read_index"]
         if self._source is not read_indices:  # first layer of a step
             self._source, self._plans = read_indices, {}
         plan = self._plans.get(group)
         if plan is None:
             key_offsets = kwargs["cu_seq_lens_k"][layer_type].tolist()
             plan = self._plans[group] = plan_step(
-                kwargs["cu_seq_lens_q"].tolist(), key_offsets, read_indices[group], kernel=self.kernel
+                kwargs["cu_seq_lens_q"].tolist(),
+                key_offsets,
+                read_indices[group],
+                kernel=self.kernel,
+                write_index=kwargs["write_index"][group],
             )
-        kwargs[PAGED_KV] = PagedKV(keys, values, plan)
-        return key_states, value_states
+        return plan
+
+
+def decode_step(
+    cache: Any, layer_idx: int, kwargs: dict[str, Any]
+) -> tuple[tuple[torch.Tensor, torch.Tensor], DecodeWrites] | None:
+    """Layer `layer_idx`'s cache view (keys, values) and the step's `DecodeWrites`, where the cache reads through
+    `PagedReads` and every row of the step is a decode row for the native kernel; else None (`update` and attention
+    then run as usual)."""
+    find = getattr(cache, DECODE_STEP, None)
+    return None if find is None else find(layer_idx, kwargs)

@@ -41,8 +41,12 @@ import torch
 
 from worker.config import KernelBuildSettings
 from worker.engine.kernels.signatures import (
+    ATTENTION_IN_BF16,
     ATTENTION_IN_FLOAT32,
+    ATTENTION_OUT_BF16,
     ATTENTION_OUT_FLOAT32,
+    DECODER_LAYER_BF16,
+    DECODER_LAYER_FLOAT32,
     FEW_ROWS_BF16,
     FEW_ROWS_FLOAT32,
     PAGED_DECODE,
@@ -58,7 +62,7 @@ SOURCE = Path(__file__).with_name("paged_decode.c")
 RMS_NORM_SOURCE = Path(__file__).with_name("rms_norm.c")
 FEW_ROWS_SOURCE = Path(__file__).with_name("few_rows.c")
 FEW_ROWS_FLOAT32_SOURCE = Path(__file__).with_name("few_rows_float32.c")
-DECODER_LAYER_FLOAT32_SOURCE = Path(__file__).with_name("decoder_layer_float32.c")
+DECODER_LAYER_SOURCE = Path(__file__).with_name("decoder_layer.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 EXACT_FLAGS = (*FLAGS, "-ffp-contract=off")  # no fused multiply-add where torch rounds twice
 # What runs instead where a kernel cannot be built: named in its warning.
@@ -67,6 +71,11 @@ RMS_NORM_FALLBACK = "torch.rms_norm, several tensor ops a norm instead of one ca
 FEW_ROWS_FALLBACK = "oneDNN's bfloat16 products for every step, about half as fast for a few rows"
 FEW_ROWS_FLOAT32_FALLBACK = "oneDNN's packed float32 products for every step, slower for a few rows"
 DECODER_LAYER_FALLBACK = "the lean layer's torch ops around the few-row products, slower for a few rows"
+# The decoder layer's functions by the dtype it was built for (`decoder_layer.c`, bfloat16 with -DLLMQ_BFLOAT16).
+_DECODER_LAYER_SIGNATURES = {
+    torch.float32: (ATTENTION_IN_FLOAT32, ATTENTION_OUT_FLOAT32, DECODER_LAYER_FLOAT32),
+    torch.bfloat16: (ATTENTION_IN_BF16, ATTENTION_OUT_BF16, DECODER_LAYER_BF16),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +110,29 @@ class DecodeRows:
             raise ValueError("DecodeRows rows must not be negative")
         object.__setattr__(self, "last_query_row", int(self.query_rows.max()))
         object.__setattr__(self, "last_cache_row", int(self.index.max()))
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeWrites:
+    """A step whose rows are all decode rows, for `DecoderLayer.decode_step`: row r's new key and value go to cache
+    row `write_index[r]`, then `rows` are attended (every row of the step once). Checked here once a step, so that a
+    layer's call only compares the extremes with its cache."""
+
+    rows: DecodeRows
+    write_index: torch.Tensor
+    last_write_row: int = field(init=False, default=-1)
+
+    def __post_init__(self) -> None:
+        index = self.write_index
+        if index.dtype != torch.int64 or index.dim() != 1 or not index.is_cpu:
+            raise ValueError(f"DecodeWrites.write_index must be a 1-D int64 CPU tensor, not {index.dtype}")
+        object.__setattr__(self, "write_index", index.contiguous())
+        count = self.rows.query_rows.numel()
+        if index.numel() != count or count == 0:
+            raise ValueError("DecodeWrites needs one cache row to write per decode row, and a row")
+        if not torch.equal(self.rows.query_rows.sort().values, torch.arange(count)) or int(index.min()) < 0:
+            raise ValueError("DecodeWrites rows must be the step's rows, each once, and cache rows not negative")
+        object.__setattr__(self, "last_write_row", int(index.max()))
 
 
 class PagedDecode:
@@ -198,16 +230,17 @@ class FewRows:
 
 
 class DecoderLayer:
-    """The loaded float32 decoder layer halves for hidden rows of one width: before attention (`attention_in`) and
-    after it (`attention_out`). Every weight `[out, in]` and bias is checked against the others' shapes (the C code
+    """The loaded decoder layer for hidden rows of one width and one dtype (float32, or bfloat16: every tensor it
+    takes), in halves: before attention (`attention_in`) and after it (`attention_out`), or whole for a step of
+    decode rows (`decode_step`). Every weight `[out, in]` and bias is checked against the others' shapes (the C code
     trusts them); biases may be None. `bind_in` / `bind_out` check a layer's weights once and return its half as a
     call that checks only the rows it is given: the lean layer's steps call those (about a hundred checks a layer and
     step fewer); `attention_in` / `attention_out` bind and call at once."""
 
-    def __init__(self, library: ctypes.CDLL, width: int, lanes: int) -> None:
-        self._attention_in = ATTENTION_IN_FLOAT32.bind(library)
-        self._attention_out = ATTENTION_OUT_FLOAT32.bind(library)
-        self.width, self.lanes = width, lanes
+    def __init__(self, library: ctypes.CDLL, width: int, lanes: int, dtype: torch.dtype = torch.float32) -> None:
+        signatures = _DECODER_LAYER_SIGNATURES[dtype]
+        self._attention_in, self._attention_out, self._decode_step = (s.bind(library) for s in signatures)
+        self.width, self.lanes, self.dtype = width, lanes, dtype
 
     def bind_in(
         self,
@@ -218,8 +251,8 @@ class DecoderLayer:
     ) -> AttentionIn:
         """The half before attention with these weights: `RMSNorm(hidden) * norm[0]` (eps `norm[1]`), then q, k and
         v (`weights`, `biases`), q and k rotated per head of `head_dim`."""
-        _require_product("attention_in", weights, biases, self.width)
-        _require_contiguous("attention_in", torch.float32, norm[0])
+        _require_product("attention_in", weights, biases, self.width, None, self.dtype)
+        _require_contiguous("attention_in", self.dtype, norm[0])
         q_width, kv_width = weights[0].shape[0], weights[1].shape[0]
         if (
             weights[2].shape[0] != kv_width
@@ -243,10 +276,10 @@ class DecoderLayer:
         norm, `weights` and `biases` gate's, up's and down's."""
         attended_width = output[0].shape[1] if output[0].dim() == 2 else -1
         intermediate = weights[0].shape[0]
-        _require_product("attention_out", output[:1], output[1:], attended_width, self.width)
-        _require_product("attention_out", weights[:2], biases[:2], self.width, intermediate)
-        _require_product("attention_out", weights[2:], biases[2:], intermediate, self.width)
-        _require_contiguous("attention_out", torch.float32, norm[0])
+        _require_product("attention_out", output[:1], output[1:], attended_width, self.width, self.dtype)
+        _require_product("attention_out", weights[:2], biases[:2], self.width, intermediate, self.dtype)
+        _require_product("attention_out", weights[2:], biases[2:], intermediate, self.width, self.dtype)
+        _require_contiguous("attention_out", self.dtype, norm[0])
         if norm[0].shape != (self.width,):
             raise ValueError(f"attention_out: norm {tuple(norm[0].shape)} does not fit rows of {self.width}")
         return AttentionOut(self, (*output, norm[0], *weights, *biases), (norm[1], attended_width, intermediate))
@@ -277,64 +310,122 @@ class DecoderLayer:
         and `n = RMSNorm(h) * norm[0]`; `weights` and `biases` are gate's, up's and down's: `[rows, width]`."""
         return self.bind_out(output, norm, weights, biases)(attended, residual)
 
+    def decode_step(
+        self,
+        halves: tuple[AttentionIn, AttentionOut],
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        writes: DecodeWrites,
+        scale: float,
+    ) -> torch.Tensor:
+        """A whole layer for a step of decode rows in one call: the `halves` (bound to its weights) around writing each
+        row's new key and value into `cache` (the layer's `[cache rows, kv_heads, head_dim]` keys and values) and
+        the decode attention `PagedDecode` runs, with the same bits as those calls in turn."""
+        attention_in, attention_out = halves
+        keys, values = cache
+        _require_rows("decode_step", hidden, self.width, self.dtype)
+        rows = hidden.shape[0]
+        attention_in.check_rotary(rows, cos, signed_sin)
+        _require_contiguous("decode_step", self.dtype, keys, values, what="keys and values")
+        kv_width = attention_in.kv_width
+        cache_rows = min(keys.shape[0], values.shape[0])
+        if keys.dim() != 3 or values.shape[1:] != keys.shape[1:] or keys.shape[1] * keys.shape[2] != kv_width:
+            raise ValueError(f"decode_step: keys {tuple(keys.shape)} do not hold rows of {kv_width}")
+        if writes.write_index.numel() != rows or max(writes.last_write_row, writes.rows.last_cache_row) >= cache_rows:
+            raise ValueError("decode_step: DecodeWrites do not fit the step's rows or the cache")
+        heads, kv_heads = attention_out.attended_width // attention_in.head_dim, kv_width // attention_in.head_dim
+        if attention_out.attended_width != attention_in.qkv_width - 2 * kv_width or heads % kv_heads:
+            raise ValueError("decode_step: the halves are not one layer's")
+        decode = writes.rows
+        out = hidden.new_empty(rows, self.width)
+        status = self._decode_step(
+            hidden.data_ptr(), *attention_in.pointers, cos.data_ptr(), signed_sin.data_ptr(), keys.data_ptr(),
+            values.data_ptr(), writes.write_index.data_ptr(), decode.index.data_ptr(), decode.starts.data_ptr(),
+            decode.lengths.data_ptr(), decode.query_rows.data_ptr(), scale, *attention_out.pointers,
+            *attention_out.mlp_pointers, out.data_ptr(),
+            rows, self.width, attention_out.attended_width, kv_width, attention_in.head_dim,
+            attention_out.intermediate, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("decode_step could not allocate its scratch rows")
+        return out
+
 
 class AttentionIn:
     """A layer's half before attention, its weights checked (`DecoderLayer.bind_in`) and held, so they outlive the
-    pointers handed to C."""
+    pointers handed to C (`pointers`: the norm's and the products', in the C functions' order)."""
 
-    __slots__ = ("_call", "_held", "_pointers", "_sizes", "_width", "head_dim", "qkv_width")
+    __slots__ = ("_call", "_dtype", "_held", "_width", "head_dim", "kv_width", "pointers", "qkv_width")
 
     def __init__(
         self, kernel: DecoderLayer, tensors: tuple[torch.Tensor | None, ...], sizes: tuple[float, int, int, int]
     ) -> None:
         eps, q_width, kv_width, head_dim = sizes
-        self._call, self._width, self._held = kernel._attention_in, kernel.width, tensors
+        self._call, self._width, self._dtype, self._held = kernel._attention_in, kernel.width, kernel.dtype, tensors
         norm_weight, *products = _pointers(tensors)
-        self._pointers = (norm_weight, eps, kernel.lanes, *products)
-        self._sizes = (kernel.width, q_width, kv_width, head_dim)
-        self.head_dim, self.qkv_width = int(head_dim), int(q_width + 2 * kv_width)
+        self.pointers = (norm_weight, eps, kernel.lanes, *products)
+        self.head_dim, self.kv_width, self.qkv_width = int(head_dim), int(kv_width), int(q_width + 2 * kv_width)
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """`[q | k | v]` of `hidden` `[rows, width]`, with `cos` and `signed_sin` `[rows, head_dim]`."""
-        _require_rows("attention_in", hidden, self._width)
+        _require_rows("attention_in", hidden, self._width, self._dtype)
         rows = hidden.shape[0]
-        _require_contiguous("attention_in", torch.float32, cos, signed_sin)
-        if cos.shape != (rows, self.head_dim) or signed_sin.shape != cos.shape:
-            raise ValueError(f"attention_in: rotary {tuple(cos.shape)} does not fit {rows} rows of {self.head_dim}")
+        self.check_rotary(rows, cos, signed_sin)
         qkv = hidden.new_empty(rows, self.qkv_width)
+        q_width = self.qkv_width - 2 * self.kv_width
         status = self._call(
-            hidden.data_ptr(), *self._pointers, cos.data_ptr(), signed_sin.data_ptr(), qkv.data_ptr(), rows,
-            *self._sizes, torch.get_num_threads(),
+            hidden.data_ptr(), *self.pointers, cos.data_ptr(), signed_sin.data_ptr(), qkv.data_ptr(), rows,
+            self._width, q_width, self.kv_width, self.head_dim, torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise MemoryError("attention_in could not allocate its scratch rows")
         return qkv
 
+    def check_rotary(self, rows: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+        _require_contiguous("attention_in", self._dtype, cos, signed_sin)
+        if cos.shape != (rows, self.head_dim) or signed_sin.shape != cos.shape:
+            raise ValueError(f"attention_in: rotary {tuple(cos.shape)} does not fit {rows} rows of {self.head_dim}")
+
 
 class AttentionOut:
-    """A layer's half after attention, its weights checked (`DecoderLayer.bind_out`) and held."""
+    """A layer's half after attention, its weights checked (`DecoderLayer.bind_out`) and held (`pointers`: o's and
+    the norm's, `mlp_pointers`: the MLP's, in the C functions' order)."""
 
-    __slots__ = ("_attended_width", "_call", "_held", "_intermediate", "_pointers", "_width")
+    __slots__ = (
+        "_call",
+        "_dtype",
+        "_held",
+        "_lanes",
+        "_width",
+        "attended_width",
+        "intermediate",
+        "mlp_pointers",
+        "pointers",
+    )
 
     def __init__(
         self, kernel: DecoderLayer, tensors: tuple[torch.Tensor | None, ...], sizes: tuple[float, int, int]
     ) -> None:
-        eps, self._attended_width, self._intermediate = sizes
-        self._call, self._width, self._held = kernel._attention_out, kernel.width, tensors
+        eps, attended_width, intermediate = sizes
+        self._call, self._width, self._dtype, self._held = kernel._attention_out, kernel.width, kernel.dtype, tensors
+        self.attended_width, self.intermediate = int(attended_width), int(intermediate)
         o_weight, o_bias, norm_weight, *mlp = _pointers(tensors)
-        self._pointers = (o_weight, o_bias, norm_weight, eps, kernel.lanes, *mlp)
+        self.pointers, self.mlp_pointers, self._lanes = (o_weight, o_bias, norm_weight, eps), tuple(mlp), kernel.lanes
 
     def __call__(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The layer's output rows for `attended` `[rows, attended width]` and `residual` `[rows, width]`."""
-        _require_rows("attention_out", residual, self._width)
-        _require_rows("attention_out", attended, self._attended_width)
+        _require_rows("attention_out", residual, self._width, self._dtype)
+        _require_rows("attention_out", attended, self.attended_width, self._dtype)
         rows = residual.shape[0]
         if attended.shape[0] != rows:
             raise ValueError(f"attention_out: attended {tuple(attended.shape)} does not fit {rows} rows")
         out = residual.new_empty(rows, self._width)
         status = self._call(
-            attended.data_ptr(), residual.data_ptr(), *self._pointers, out.data_ptr(), rows, self._width,
-            self._attended_width, self._intermediate, torch.get_num_threads(),
+            attended.data_ptr(), residual.data_ptr(), *self.pointers, self._lanes, *self.mlp_pointers, out.data_ptr(),
+            rows, self._width,
+            self.attended_width, self.intermediate, torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise MemoryError("attention_out could not allocate its scratch rows")
@@ -345,8 +436,8 @@ def _pointers(tensors: tuple[torch.Tensor | None, ...]) -> list[int | None]:
     return [None if tensor is None else tensor.data_ptr() for tensor in tensors]
 
 
-def _require_rows(kernel: str, rows: torch.Tensor, width: int) -> None:
-    _require_contiguous(kernel, torch.float32, rows)
+def _require_rows(kernel: str, rows: torch.Tensor, width: int, dtype: torch.dtype) -> None:
+    _require_contiguous(kernel, dtype, rows)
     if rows.dim() != 2 or rows.shape[1] != width:
         raise ValueError(f"{kernel}: rows {tuple(rows.shape)} are not [rows, {width}]")
 
@@ -356,10 +447,11 @@ def _require_product(
     weights: tuple[torch.Tensor, ...],
     biases: tuple[torch.Tensor | None, ...],
     in_features: int,
-    out_features: int | None = None,
+    out_features: int | None,
+    dtype: torch.dtype,
 ) -> None:
     """Weights `[out, in_features]` (all `out_features` wide where given), each bias None or `[out]`."""
-    _require_contiguous(kernel, torch.float32, *weights, *(bias for bias in biases if bias is not None))
+    _require_contiguous(kernel, dtype, *weights, *(bias for bias in biases if bias is not None))
     for weight, bias in zip(weights, biases, strict=True):
         wrong_width = out_features is not None and weight.shape[0] != out_features
         if weight.dim() != 2 or weight.shape[1] != in_features or wrong_width:
@@ -403,17 +495,20 @@ def few_rows(dtype: torch.dtype = torch.bfloat16) -> FewRows | None:
 
 
 @functools.cache
-def decoder_layer(width: int) -> DecoderLayer | None:
-    """The float32 decoder layer in two calls (`decoder_layer_float32.c`) for hidden rows of `width`, built and
-    loaded: where the CPU has AVX2 and FMA or AVX-512 and the native RMSNorm gives torch's bits at `width` (the
-    layer's norm is that one); else None, and the lean layer keeps its torch ops."""
+def decoder_layer(width: int, dtype: torch.dtype = torch.float32) -> DecoderLayer | None:
+    """The decoder layer in native calls (`decoder_layer.c`) for hidden rows of `width` in `dtype`, built and loaded:
+    float32 where the CPU has AVX2 and FMA or AVX-512, bfloat16 where it has AVX-512 BF16, and in both where the
+    native RMSNorm gives torch's bits at `width` (the layer's norm is that one); else None, and the lean layer keeps
+    its torch ops."""
     norm = rms_norm(width)
-    if norm is None:
+    if norm is None or dtype not in _DECODER_LAYER_SIGNATURES:
         return None
-    signatures = (ATTENTION_IN_FLOAT32, ATTENTION_OUT_FLOAT32)
-    name = "float32 decoder-layer kernel"
-    library = _library(DECODER_LAYER_FLOAT32_SOURCE, signatures, EXACT_FLAGS, name, DECODER_LAYER_FALLBACK)
-    return None if library is None else DecoderLayer(library, width, norm.lanes)
+    name = f"{str(dtype).removeprefix('torch.')} decoder-layer kernel"
+    if dtype == torch.bfloat16 and not native_bfloat16():
+        return None
+    flags = (*EXACT_FLAGS, "-DLLMQ_BFLOAT16") if dtype == torch.bfloat16 else EXACT_FLAGS
+    library = _library(DECODER_LAYER_SOURCE, _DECODER_LAYER_SIGNATURES[dtype], flags, name, DECODER_LAYER_FALLBACK)
+    return None if library is None else DecoderLayer(library, width, norm.lanes, dtype)
 
 
 def native_bfloat16() -> bool:

@@ -134,7 +134,7 @@ FEW_ROWS_FLOAT32 = Signature(  # `out_stride`: the output's row length, above `o
         ("int", "threads"),
     ),
 )
-ATTENTION_IN_FLOAT32 = Signature(  # `decoder_layer_float32.c`: a layer's half before attention
+ATTENTION_IN_FLOAT32 = Signature(  # `decoder_layer.c`: a layer's half before attention
     "llmq_attention_in_float32",
     "int",
     (
@@ -159,7 +159,7 @@ ATTENTION_IN_FLOAT32 = Signature(  # `decoder_layer_float32.c`: a layer's half b
         ("int", "threads"),
     ),
 )
-ATTENTION_OUT_FLOAT32 = Signature(  # `decoder_layer_float32.c`: a layer's half after attention
+ATTENTION_OUT_FLOAT32 = Signature(  # `decoder_layer.c`: a layer's half after attention
     "llmq_attention_out_float32",
     "int",
     (
@@ -184,3 +184,40 @@ ATTENTION_OUT_FLOAT32 = Signature(  # `decoder_layer_float32.c`: a layer's half 
         ("int", "threads"),
     ),
 )
+DECODER_LAYER_FLOAT32 = Signature(  # `decoder_layer.c`: a whole layer for a step of decode rows
+    "llmq_decoder_layer_float32",
+    "int",
+    (
+        *ATTENTION_IN_FLOAT32.parameters[:12],  # the first half's: hidden ... signed_sin
+        ("float *", "key_cache"),
+        ("float *", "value_cache"),
+        ("const int64_t *", "write_index"),
+        ("const int64_t *", "index"),
+        ("const int64_t *", "starts"),
+        ("const int64_t *", "lengths"),
+        ("const int64_t *", "query_rows"),
+        ("float", "scale"),
+        *ATTENTION_OUT_FLOAT32.parameters[2:4],  # o_weight, o_bias
+        ("const float *", "norm_post_weight"),
+        ("float", "eps_post"),
+        *ATTENTION_OUT_FLOAT32.parameters[7:14],  # gate_weight ... down_bias, out
+        *ATTENTION_IN_FLOAT32.parameters[13:18],  # rows, hidden_size, q_width, kv_width, head_dim
+        ("int64_t", "intermediate"),
+        ("int", "threads"),
+    ),
+)
+
+
+def _bfloat16_twin(signature: Signature) -> Signature:
+    """`decoder_layer.c`'s function built with -DLLMQ_BFLOAT16: every tensor bfloat16 (`_bf16`, not `_float32`)."""
+    bfloat16 = {"const float *": "const uint16_t *", "float *": "uint16_t *"}
+    return Signature(
+        signature.name.replace("_float32", "_bf16"),
+        signature.result,
+        tuple((bfloat16.get(c_type, c_type), name) for c_type, name in signature.parameters),
+    )
+
+
+ATTENTION_IN_BF16 = _bfloat16_twin(ATTENTION_IN_FLOAT32)
+ATTENTION_OUT_BF16 = _bfloat16_twin(ATTENTION_OUT_FLOAT32)
+DECODER_LAYER_BF16 = _bfloat16_twin(DECODER_LAYER_FLOAT32)
