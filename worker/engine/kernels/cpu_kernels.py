@@ -336,8 +336,13 @@ class DecoderLayer:
         if writes.write_index.numel() != rows or max(writes.last_write_row, writes.rows.last_cache_row) >= cache_rows:
             raise ValueError("decode_step: DecodeWrites do not fit the step's rows or the cache")
         heads, kv_heads = attention_out.attended_width // attention_in.head_dim, kv_width // attention_in.head_dim
-        if attention_out.attended_width != attention_in.qkv_width - 2 * kv_width or heads % kv_heads:
-            raise ValueError("decode_step: the halves are not one layer's")
+        if (
+            attention_in.kernel is not self  # bound by another width or dtype: the C code would misread them
+            or attention_out.kernel is not self
+            or attention_out.attended_width != attention_in.qkv_width - 2 * kv_width
+            or heads % kv_heads
+        ):
+            raise ValueError("decode_step: the halves are not one layer's of this kernel")
         decode = writes.rows
         out = hidden.new_empty(rows, self.width)
         status = self._decode_step(
@@ -357,13 +362,14 @@ class AttentionIn:
     """A layer's half before attention, its weights checked (`DecoderLayer.bind_in`) and held, so they outlive the
     pointers handed to C (`pointers`: the norm's and the products', in the C functions' order)."""
 
-    __slots__ = ("_call", "_dtype", "_held", "_width", "head_dim", "kv_width", "pointers", "qkv_width")
+    __slots__ = ("_call", "_dtype", "_held", "_width", "head_dim", "kernel", "kv_width", "pointers", "qkv_width")
 
     def __init__(
         self, kernel: DecoderLayer, tensors: tuple[torch.Tensor | None, ...], sizes: tuple[float, int, int, int]
     ) -> None:
         eps, q_width, kv_width, head_dim = sizes
         self._call, self._width, self._dtype, self._held = kernel._attention_in, kernel.width, kernel.dtype, tensors
+        self.kernel = kernel  # its owner: `decode_step` takes only its own kernel's halves
         norm_weight, *products = _pointers(tensors)
         self.pointers = (norm_weight, eps, kernel.lanes, *products)
         self.head_dim, self.kv_width, self.qkv_width = int(head_dim), int(kv_width), int(q_width + 2 * kv_width)
@@ -401,6 +407,7 @@ class AttentionOut:
         "_width",
         "attended_width",
         "intermediate",
+        "kernel",
         "mlp_pointers",
         "pointers",
     )
@@ -410,6 +417,7 @@ class AttentionOut:
     ) -> None:
         eps, attended_width, intermediate = sizes
         self._call, self._width, self._dtype, self._held = kernel._attention_out, kernel.width, kernel.dtype, tensors
+        self.kernel = kernel
         self.attended_width, self.intermediate = int(attended_width), int(intermediate)
         o_weight, o_bias, norm_weight, *mlp = _pointers(tensors)
         self.pointers, self.mlp_pointers, self._lanes = (o_weight, o_bias, norm_weight, eps), tuple(mlp), kernel.lanes
