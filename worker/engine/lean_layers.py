@@ -13,6 +13,9 @@ installed here computes the same thing in ~40 ops and no module calls:
   (the same products and sums, so the same bits), on q and k together, with `cos` / `signed_sin` made once per
   step for every layer;
 - SiLU, the gating product and both residual adds in place.
+Steps of up to `FEW_ROWS` rows go further where the few-row kernel serves the products (bfloat16, or float32 when
+asked for): the layer runs in native code (`kernels/decoder_layer.c`), in one call for a step of decode rows only
+(the cache write and the decode attention inside), else in two around the attention.
 It serves only the engine's continuous-batching steps (a `read_index` in the step's arguments) with our attention
 function; anything else (`generate`, training, another attention) runs the library's layer unchanged.
 """
@@ -135,7 +138,7 @@ def _lean_forward(layer: Any, library_forward: Any, rotary: RotaryTables) -> Any
         residual = hidden_states[0]  # [tokens, hidden]
         tokens = residual.shape[0]
         in_one_call = native if tokens <= FEW_ROWS else None
-        if in_one_call is not None:  # the norm, q/k/v and rotary in one native call
+        if in_one_call is not None:  # native code: the whole layer, or the norm, q/k/v and rotary in one call
             halves = in_one_call.halves()
             residual = residual.contiguous()
             step = None if cache is None else decode_step(cache, attn.layer_idx, kwargs)
@@ -170,7 +173,7 @@ def _lean_forward(layer: Any, library_forward: Any, rotary: RotaryTables) -> Any
 
 
 class _NativeLayer:
-    """A layer's float32 weights bound to the native decoder-layer halves (`cpu_kernels.DecoderLayer`). Bound once
+    """A layer's weights (float32 or bfloat16) bound to the native decoder layer (`cpu_kernels.DecoderLayer`): once,
     and again whenever a parameter of the layer is replaced or its storage swapped (its tensors' addresses are
     compared at every call, a few microseconds), so the weights used are always the modules' own."""
 
