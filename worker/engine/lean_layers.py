@@ -220,9 +220,11 @@ def _native_layer(layer: Any, hidden_size: int) -> _NativeLayer | None:
     if not all(type(linear) is PackedLinear for linear in linears):
         return None
     dtype = layer.input_layernorm.weight.dtype
-    if any(linear.weight.dtype != dtype for linear in linears) or cpu_kernels.few_rows(dtype) is None:
+    if any(linear.weight.dtype != dtype for linear in linears):
         return None
     if dtype == torch.float32 and not all(linear.few_rows_weight() is not None for linear in linears):
+        return None  # not asked for: no kernel is built (nor a missing compiler warned about)
+    if cpu_kernels.few_rows(dtype) is None:
         return None
     kernel = cpu_kernels.decoder_layer(hidden_size, dtype)
     return None if kernel is None else _NativeLayer(layer, kernel, layer.self_attn.head_dim)
