@@ -339,7 +339,7 @@ class DecoderLayer:
         if (
             attention_in.kernel is not self  # bound by another width or dtype: the C code would misread them
             or attention_out.kernel is not self
-            or attention_out.attended_width != attention_in.qkv_width - 2 * kv_width
+            or attention_out.attended_width != attention_in.q_width
             or heads % kv_heads
         ):
             raise ValueError("decode_step: the halves are not one layer's of this kernel")
@@ -360,80 +360,68 @@ class DecoderLayer:
 
 class AttentionIn:
     """A layer's half before attention, its weights checked (`DecoderLayer.bind_in`) and held, so they outlive the
-    pointers handed to C (`pointers`: the norm's and the products', in the C functions' order)."""
+    pointers handed to C (`pointers`: the norm's and the products', in the C functions' order). `kernel` is the
+    layer kernel that bound it: `decode_step` takes only its own kernel's halves."""
 
-    __slots__ = ("_call", "_dtype", "_held", "_width", "head_dim", "kernel", "kv_width", "pointers", "qkv_width")
+    __slots__ = ("_held", "head_dim", "kernel", "kv_width", "pointers", "q_width")
 
     def __init__(
         self, kernel: DecoderLayer, tensors: tuple[torch.Tensor | None, ...], sizes: tuple[float, int, int, int]
     ) -> None:
         eps, q_width, kv_width, head_dim = sizes
-        self._call, self._width, self._dtype, self._held = kernel._attention_in, kernel.width, kernel.dtype, tensors
-        self.kernel = kernel  # its owner: `decode_step` takes only its own kernel's halves
+        self.kernel, self._held = kernel, tensors
         norm_weight, *products = _pointers(tensors)
         self.pointers = (norm_weight, eps, kernel.lanes, *products)
-        self.head_dim, self.kv_width, self.qkv_width = int(head_dim), int(kv_width), int(q_width + 2 * kv_width)
+        self.head_dim, self.kv_width, self.q_width = int(head_dim), int(kv_width), int(q_width)
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """`[q | k | v]` of `hidden` `[rows, width]`, with `cos` and `signed_sin` `[rows, head_dim]`."""
-        _require_rows("attention_in", hidden, self._width, self._dtype)
+        kernel = self.kernel
+        _require_rows("attention_in", hidden, kernel.width, kernel.dtype)
         rows = hidden.shape[0]
         self.check_rotary(rows, cos, signed_sin)
-        qkv = hidden.new_empty(rows, self.qkv_width)
-        q_width = self.qkv_width - 2 * self.kv_width
-        status = self._call(
+        qkv = hidden.new_empty(rows, self.q_width + 2 * self.kv_width)
+        status = kernel._attention_in(
             hidden.data_ptr(), *self.pointers, cos.data_ptr(), signed_sin.data_ptr(), qkv.data_ptr(), rows,
-            self._width, q_width, self.kv_width, self.head_dim, torch.get_num_threads(),
+            kernel.width, self.q_width, self.kv_width, self.head_dim, torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise MemoryError("attention_in could not allocate its scratch rows")
         return qkv
 
     def check_rotary(self, rows: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
-        _require_contiguous("attention_in", self._dtype, cos, signed_sin)
+        _require_contiguous("attention_in", self.kernel.dtype, cos, signed_sin)
         if cos.shape != (rows, self.head_dim) or signed_sin.shape != cos.shape:
             raise ValueError(f"attention_in: rotary {tuple(cos.shape)} does not fit {rows} rows of {self.head_dim}")
 
 
 class AttentionOut:
     """A layer's half after attention, its weights checked (`DecoderLayer.bind_out`) and held (`pointers`: o's and
-    the norm's, `mlp_pointers`: the MLP's, in the C functions' order)."""
+    the norm's, `mlp_pointers`: the MLP's, in the C functions' order); `kernel` as `AttentionIn`'s."""
 
-    __slots__ = (
-        "_call",
-        "_dtype",
-        "_held",
-        "_lanes",
-        "_width",
-        "attended_width",
-        "intermediate",
-        "kernel",
-        "mlp_pointers",
-        "pointers",
-    )
+    __slots__ = ("_held", "attended_width", "intermediate", "kernel", "mlp_pointers", "pointers")
 
     def __init__(
         self, kernel: DecoderLayer, tensors: tuple[torch.Tensor | None, ...], sizes: tuple[float, int, int]
     ) -> None:
         eps, attended_width, intermediate = sizes
-        self._call, self._width, self._dtype, self._held = kernel._attention_out, kernel.width, kernel.dtype, tensors
-        self.kernel = kernel
+        self.kernel, self._held = kernel, tensors
         self.attended_width, self.intermediate = int(attended_width), int(intermediate)
         o_weight, o_bias, norm_weight, *mlp = _pointers(tensors)
-        self.pointers, self.mlp_pointers, self._lanes = (o_weight, o_bias, norm_weight, eps), tuple(mlp), kernel.lanes
+        self.pointers, self.mlp_pointers = (o_weight, o_bias, norm_weight, eps), tuple(mlp)
 
     def __call__(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The layer's output rows for `attended` `[rows, attended width]` and `residual` `[rows, width]`."""
-        _require_rows("attention_out", residual, self._width, self._dtype)
-        _require_rows("attention_out", attended, self.attended_width, self._dtype)
+        kernel = self.kernel
+        _require_rows("attention_out", residual, kernel.width, kernel.dtype)
+        _require_rows("attention_out", attended, self.attended_width, kernel.dtype)
         rows = residual.shape[0]
         if attended.shape[0] != rows:
             raise ValueError(f"attention_out: attended {tuple(attended.shape)} does not fit {rows} rows")
-        out = residual.new_empty(rows, self._width)
-        status = self._call(
-            attended.data_ptr(), residual.data_ptr(), *self.pointers, self._lanes, *self.mlp_pointers, out.data_ptr(),
-            rows, self._width,
-            self.attended_width, self.intermediate, torch.get_num_threads(),
+        out = residual.new_empty(rows, kernel.width)
+        status = kernel._attention_out(
+            attended.data_ptr(), residual.data_ptr(), *self.pointers, kernel.lanes, *self.mlp_pointers,
+            out.data_ptr(), rows, kernel.width, self.attended_width, self.intermediate, torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise MemoryError("attention_out could not allocate its scratch rows")
@@ -511,9 +499,9 @@ def decoder_layer(width: int, dtype: torch.dtype = torch.float32) -> DecoderLaye
     norm = rms_norm(width)
     if norm is None or dtype not in _DECODER_LAYER_SIGNATURES:
         return None
-    name = f"{str(dtype).removeprefix('torch.')} decoder-layer kernel"
     if dtype == torch.bfloat16 and not native_bfloat16():
         return None
+    name = f"{str(dtype).removeprefix('torch.')} decoder-layer kernel"
     flags = (*EXACT_FLAGS, "-DLLMQ_BFLOAT16") if dtype == torch.bfloat16 else EXACT_FLAGS
     library = _library(DECODER_LAYER_SOURCE, _DECODER_LAYER_SIGNATURES[dtype], flags, name, DECODER_LAYER_FALLBACK)
     return None if library is None else DecoderLayer(library, width, norm.lanes, dtype)

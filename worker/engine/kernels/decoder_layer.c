@@ -283,26 +283,8 @@ int llmq_decoder_layer_float32(const float *hidden, const float *norm_weight, fl
             queries[i] = wide(qkv[(i / q_width) * width + i % q_width]);
 #endif
         const int heads = (int)(q_width / head_dim), kv_heads = (int)(kv_width / head_dim);
-        int64_t longest = 1;
-        for (int64_t i = 0; i < rows; i++)
-            longest = lengths[i] > longest ? lengths[i] : longest;
-#pragma omp parallel num_threads(threads) if (rows > 1)
-        {
-            float *scores = malloc(sizeof(float) * heads * longest);
-            if (scores == 0) {
-#pragma omp atomic write
-                status = 1;
-            }
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t i = 0; i < rows; i++) {
-                if (scores == 0)
-                    continue;
-                attend_request(queries + query_rows[i] * query_stride, key_cache, value_cache, index + starts[i],
-                               lengths[i], heads, kv_heads, (int)head_dim, scale, scores,
-                               sums + query_rows[i] * q_width);
-            }
-            free(scores);
-        }
+        status = decode_requests(queries, query_stride, key_cache, value_cache, index, starts, lengths, query_rows,
+                                 rows, heads, kv_heads, (int)head_dim, scale, sums, q_width, threads) != 0;
 #if defined(LLMQ_BFLOAT16)
         for (int64_t i = 0; i < rows * q_width; i++)
             attended[i] = narrow(sums[i]);

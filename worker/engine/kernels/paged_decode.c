@@ -274,20 +274,15 @@ static void attend_request(const float *restrict query, const kv_t *restrict key
     }
 }
 
-/* query, out: [tokens, heads, head_dim]; keys, values: [cache rows, kv_heads, head_dim]; request i attends its
- * query row query_rows[i] over cache rows index[starts[i] .. starts[i] + lengths[i]). Returns 0, or -1 where a
- * thread could not allocate its score buffer (its rows are then left unwritten). */
-#if defined(LLMQ_KV_BFLOAT16)
-int llmq_paged_decode_bf16(const float *query, const uint16_t *keys, const uint16_t *values, const int64_t *index,
-                           const int64_t *starts, const int64_t *lengths, const int64_t *query_rows, int64_t requests,
-                           int heads, int kv_heads, int head_dim, float scale, float *out, int threads)
-#else
-int llmq_paged_decode(const float *query, const float *keys, const float *values, const int64_t *index,
-                       const int64_t *starts, const int64_t *lengths, const int64_t *query_rows, int64_t requests,
-                       int heads, int kv_heads, int head_dim, float scale, float *out, int threads)
-#endif
+/* Every request's decode attention: request i attends query row query_rows[i] of `query` (rows of `query_stride`
+ * floats, its heads first) over cache rows index[starts[i] .. starts[i] + lengths[i]) and writes row query_rows[i] of
+ * `out` (rows of `out_stride` floats); requests are shared out among the threads. Returns 0, or -1 where a thread
+ * could not allocate its score buffer (its rows are then left unwritten). Also `decoder_layer.c`'s attention. */
+static int decode_requests(const float *query, int64_t query_stride, const kv_t *keys, const kv_t *values,
+                           const int64_t *index, const int64_t *starts, const int64_t *lengths,
+                           const int64_t *query_rows, int64_t requests, int heads, int kv_heads, int head_dim,
+                           float scale, float *out, int64_t out_stride, int threads)
 {
-    const int64_t query_stride = (int64_t)heads * head_dim;
     int64_t longest = 1;
     int failed = 0;
     for (int64_t i = 0; i < requests; i++)
@@ -303,11 +298,28 @@ int llmq_paged_decode(const float *query, const float *keys, const float *values
         for (int64_t i = 0; i < requests; i++) {
             if (scores == NULL)
                 continue;
-            const int64_t offset = query_rows[i] * query_stride;
-            attend_request(query + offset, keys, values, index + starts[i], lengths[i], heads, kv_heads, head_dim,
-                           scale, scores, out + offset);
+            attend_request(query + query_rows[i] * query_stride, keys, values, index + starts[i], lengths[i], heads,
+                           kv_heads, head_dim, scale, scores, out + query_rows[i] * out_stride);
         }
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+/* query, out: [tokens, heads, head_dim]; keys, values: [cache rows, kv_heads, head_dim]; request i attends its
+ * query row query_rows[i] over cache rows index[starts[i] .. starts[i] + lengths[i]). Returns 0, or -1 where a
+ * thread could not allocate its score buffer (its rows are then left unwritten). */
+#if defined(LLMQ_KV_BFLOAT16)
+int llmq_paged_decode_bf16(const float *query, const uint16_t *keys, const uint16_t *values, const int64_t *index,
+                           const int64_t *starts, const int64_t *lengths, const int64_t *query_rows, int64_t requests,
+                           int heads, int kv_heads, int head_dim, float scale, float *out, int threads)
+#else
+int llmq_paged_decode(const float *query, const float *keys, const float *values, const int64_t *index,
+                       const int64_t *starts, const int64_t *lengths, const int64_t *query_rows, int64_t requests,
+                       int heads, int kv_heads, int head_dim, float scale, float *out, int threads)
+#endif
+{
+    const int64_t stride = (int64_t)heads * head_dim;
+    return decode_requests(query, stride, keys, values, index, starts, lengths, query_rows, requests, heads, kv_heads,
+                           head_dim, scale, out, stride, threads);
 }
