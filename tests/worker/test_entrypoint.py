@@ -39,10 +39,14 @@ import_module(sys.argv[1]).main(sys.argv[3:])
 _PYDANTIC_INTERNALS = re.compile(r"SecretStr|\{\w+(,\w+)+\}|\*{3,}|default factory")
 
 
+def without_settings() -> dict[str, str]:
+    """This process's environment less its `LLMQ_*` variables, with the repository on the import path."""
+    return {key: value for key, value in os.environ.items() if not key.startswith("LLMQ_")} | {"PYTHONPATH": str(ROOT)}
+
+
 def command(module: str, *args: str, blocked: Iterable[str] = (), cwd: Path) -> subprocess.CompletedProcess[str]:
     """`module`'s `main(args)` in a fresh interpreter, with no `LLMQ_*` variables and no `.env` (cwd is empty)."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("LLMQ_")}
-    env |= {"PYTHONPATH": str(ROOT), "COLUMNS": "100"}
+    env = without_settings() | {"COLUMNS": "100"}
     argv = [sys.executable, "-c", _BLOCKED, module, ",".join(blocked) or "-", *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, cwd=cwd)
 
@@ -118,7 +122,7 @@ def test_a_redis_url_it_cannot_use_is_refused_before_torch_is_imported(tmp_path:
         "import atexit, sys; atexit.register(lambda: print('torch' in sys.modules, file=sys.stderr)); "
         "from worker.__main__ import main; main(sys.argv[1:])"
     )
-    env = {key: value for key, value in os.environ.items() if not key.startswith("LLMQ_")} | {"PYTHONPATH": str(ROOT)}
+    env = without_settings()
     argv = [sys.executable, "-c", script, "--redis-url", "redis://127.0.0.1:1/0", "--model", "smollm2"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
     assert done.returncode == 1, done.stderr
@@ -175,7 +179,7 @@ def test_an_empty_model_name_is_a_usage_error(
 
 
 def _worker(redis_url: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("LLMQ_")} | {"PYTHONPATH": str(ROOT)}
+    env = without_settings()
     argv = [sys.executable, "-m", "worker", "--redis-url", redis_url, "--metrics-port", "0", *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=cwd)
 
