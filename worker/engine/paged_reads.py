@@ -71,7 +71,7 @@ class StepPlan:
     prefill: list[tuple[int, int, int, int]]  # (q_start, q_end, k_start, k_end) in the flat query and read index
     read_index: torch.Tensor  # cache rows of every request's keys, concatenated (the library's layout)
     native: NativeDecode | None = None
-    writes: DecodeWrites | None = None  # where every row is a decode row for the kernel: a layer in one call
+    writes: DecodeWrites | None = None  # made on first ask (`PagedReads.decode_writes`) for a step of decode rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +89,9 @@ def plan_step(
     read_index: torch.Tensor,
     cost_rows: int = GROUP_COST_ROWS,
     kernel: PagedDecode | None = None,
-    write_index: torch.Tensor | None = None,
 ) -> StepPlan:
     """Splits a step's requests into decode rows (one query row each: for `kernel`, else in groups) and prefill
-    chunks. A step of decode rows only, for `kernel`, also gets its `writes` (the cache rows of `write_index`)."""
+    chunks."""
     decode: list[tuple[int, int, int]] = []  # (key length, query position, key start)
     prefill = []
     for q_start, q_end, k_start, k_end in zip(
@@ -108,10 +107,7 @@ def plan_step(
             columns = zip(*decode, strict=True)
             lengths, query_rows, starts = (torch.tensor(column, dtype=torch.int64) for column in columns)
             native = NativeDecode(kernel, DecodeRows(query_rows, starts, lengths, read_index.to(torch.int64)))
-        writes = None
-        if native is not None and not prefill and write_index is not None:
-            writes = DecodeWrites(native.rows, write_index.to(torch.int64))
-        return StepPlan([], prefill, read_index, native, writes)
+        return StepPlan([], prefill, read_index, native)
     decode.sort()
     groups = [
         _group(decode[first:last], read_index) for first, last in split_by_length([d[0] for d in decode], cost_rows)
@@ -188,8 +184,11 @@ class PagedReads:
     def decode_writes(self, group: int, layer_type: str, kwargs: dict[str, Any]) -> DecodeWrites | None:
         """The step's `DecodeWrites` where every row is a decode row for the kernel: a layer may then write its new
         K/V into its cache view and attend in one call (`DecoderLayer.decode_step`) instead of `update` and
-        attention; else None."""
-        return self._plan(group, layer_type, kwargs).writes
+        attention; else None. Made once a step, by the first layer that asks."""
+        plan = self._plan(group, layer_type, kwargs)
+        if plan.writes is None and plan.native is not None and not plan.prefill:
+            plan.writes = DecodeWrites(plan.native.rows, kwargs["write_index"][group].to(torch.int64))
+        return plan.writes
 
     def _plan(self, group: int, layer_type: str, kwargs: dict[str, Any]) -> StepPlan:
         """The step's plan for cache `group`, made by its first layer."""
@@ -200,11 +199,7 @@ class PagedReads:
         if plan is None:
             key_offsets = kwargs["cu_seq_lens_k"][layer_type].tolist()
             plan = self._plans[group] = plan_step(
-                kwargs["cu_seq_lens_q"].tolist(),
-                key_offsets,
-                read_indices[group],
-                kernel=self.kernel,
-                write_index=kwargs["write_index"][group],
+                kwargs["cu_seq_lens_q"].tolist(), key_offsets, read_indices[group], kernel=self.kernel
             )
         return plan
 
