@@ -194,6 +194,15 @@ class Settings(BaseSettings, LimitSettings):
         return model
 
     @model_validator(mode="after")
+    def _a_page_fits_the_cache(self) -> Settings:
+        if self.page_size > self.kv_cache_tokens:
+            raise ValueError(
+                f"page_size ({self.page_size}) must not exceed kv_cache_tokens ({self.kv_cache_tokens}): "
+                "the cache would hold no page"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _kept_slots_leave_room(self) -> Settings:
         if self.idle_tenant_slots >= self.max_running:
             raise ValueError(

@@ -85,8 +85,8 @@ async def serve(settings: Settings, *, handle_signals: bool = True) -> None:
             await engine.start()
         except MemoryError as error:  # the library sizes the cache and batch buffers before allocating them
             raise CannotStart(
-                f"the engine does not fit in memory ({one_line(error)}): lower --kv-cache-tokens, --max-running "
-                "or --max-batch-tokens",
+                f"the engine does not fit in memory ({one_line(error)}): lower --kv-cache-tokens, --max-running, "
+                "--max-batch-tokens or --page-size",
                 status=2,
             ) from error
         try:

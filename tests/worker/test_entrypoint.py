@@ -205,4 +205,17 @@ def test_an_engine_too_big_for_memory_is_a_setting_to_change(redis_url: str, tmp
     assert "Traceback" not in done.stderr
     last = done.stderr.splitlines()[-1]
     assert last.startswith("llmq-worker: the engine does not fit in memory (Memory footprint "), last
-    assert last.endswith("): lower --kv-cache-tokens, --max-running or --max-batch-tokens"), last
+    assert last.endswith("): lower --kv-cache-tokens, --max-running, --max-batch-tokens or --page-size"), last
+
+
+def test_a_page_larger_than_the_cache_is_a_usage_error(
+    no_environment: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A cache of no whole page is refused with the settings, before the model loads."""
+    with pytest.raises(SystemExit) as stop:
+        parse(Settings, ["--page-size", "99999999"], description="", exits="")
+    assert stop.value.code == 2
+    assert "page_size (99999999) must not exceed kv_cache_tokens (16384): the cache would hold no page" in (
+        capsys.readouterr().err
+    )
+    assert parse(Settings, ["--page-size", "64", "--kv-cache-tokens", "64"], description="", exits="").page_size == 64
