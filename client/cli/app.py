@@ -43,7 +43,11 @@ HANDLERS: dict[str, Callable[[Context], Exit]] = {
 
 def main(argv: list[str] | None = None) -> int:
     args = build(HANDLERS).parse_args(argv)
-    options: dict[str, Any] = {"prefix": args.prefix, "partitions": args.partitions}
+    options: dict[str, Any] = {
+        "prefix": args.prefix,
+        "partitions": args.partitions,
+        "failover_timeout": args.failover_timeout,
+    }
     try:
         with (
             Client(args.url, queue=args.queue, tenant=submitting_tenant(args), **options) as client,

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from client import __version__
-from client._core import DEFAULT_URL
+from client._core import DEFAULT_URL, MAX_FAILOVER_TIMEOUT_S
 from client.admin import MAX_SCANNED_KEYS
+from client.failover import FAILOVER_TIMEOUT_S
 from client.protocol import DEFAULT_PREFIX, DEFAULT_TENANT, LANES, SamplingParams
 
 DEFAULT_TIMEOUT_S = 600.0  # how long submit, attach and each chat answer wait for a result, unless told
@@ -44,6 +45,17 @@ def span(text: str) -> float:
         return seconds(number) * SPAN_UNITS[unit]
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"must be a span such as 3600, 90m, 24h or 7d, not {text!r}") from None
+
+
+def window(text: str) -> float:
+    """Seconds a call rides out a Redis failover: 0 (fail at once) up to `MAX_FAILOVER_TIMEOUT_S` (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= MAX_FAILOVER_TIMEOUT_S:  # NaN fails both comparisons
+        raise argparse.ArgumentTypeError(f"must be seconds in [0, {MAX_FAILOVER_TIMEOUT_S:g}], not {text!r}")
+    return value
 
 
 def timeout(text: str) -> float | None:
@@ -106,6 +118,13 @@ def _connection(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
         type=int,
         default=default(os.environ.get("LLMQ_QUEUE_PARTITIONS", "1")),  # a string default goes through `type` too
         help="the queue's partitions, as the workers' LLMQ_QUEUE_PARTITIONS (default: $LLMQ_QUEUE_PARTITIONS, else 1)",
+    )
+    group.add_argument(
+        "--failover-timeout",
+        type=window,
+        default=default(os.environ.get("LLMQ_FAILOVER_TIMEOUT_S", str(FAILOVER_TIMEOUT_S))),
+        help="seconds a command rides out a Redis failover or outage before it exits 4 (default:"
+        f" $LLMQ_FAILOVER_TIMEOUT_S, else {FAILOVER_TIMEOUT_S:g}; 0: fail at once)",
     )
     group.add_argument(
         "--tenant",

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,10 @@ import redis.asyncio as aioredis
 
 from client import protocol, store
 from client.cli import main
+from client.cli.app import HANDLERS
 from client.cli.exits import Exit
+from client.cli.parser import build as build_parser
+from client.failover import FAILOVER_TIMEOUT_S
 from tests.client.twins import KEYS, done, emit, tokens
 from tests.polling import wait_until
 from worker.embedded_redis import free_port
@@ -182,12 +186,36 @@ def test_url_from_environment(
 
 def test_errors_are_one_line_without_the_password(capsys: pytest.CaptureFixture[str]) -> None:
     url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
-    assert main(["status", "--url", url]) == Exit.UNAVAILABLE
+    assert main(["status", "--url", url, "--failover-timeout", "0.5"]) == Exit.UNAVAILABLE
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("llmq: error:")
     assert "hunter2" not in err and ":***@" in err
     assert main(["cancel", "bad id", "--url", url]) == Exit.USAGE
     assert "request id" in capsys.readouterr().err
+
+
+def test_the_failover_window_defaults_to_20_s_and_is_set_by_flag_or_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert build_parser(HANDLERS).parse_args(["status"]).failover_timeout == FAILOVER_TIMEOUT_S == 20
+    monkeypatch.setenv("LLMQ_FAILOVER_TIMEOUT_S", "3")
+    parser = build_parser(HANDLERS)
+    assert parser.parse_args(["status"]).failover_timeout == 3
+    assert parser.parse_args(["--failover-timeout", "0", "status"]).failover_timeout == 0
+    assert parser.parse_args(["status", "--failover-timeout", "7.5"]).failover_timeout == 7.5
+    for bad in ("-1", "nan", "inf", "3601", "soon"):
+        with pytest.raises(SystemExit) as exit_info:
+            parser.parse_args(["status", "--failover-timeout", bad])
+        assert exit_info.value.code == Exit.USAGE
+        assert "--failover-timeout: must be seconds in [0, 3600]" in capsys.readouterr().err
+
+
+def test_a_zero_window_fails_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    started = time.monotonic()
+    assert main(["status", "--url", url, "--failover-timeout", "0"]) == Exit.UNAVAILABLE
+    assert time.monotonic() - started < FAILOVER_TIMEOUT_S / 2  # no 20 s wait: the one attempt failed
+    assert "127.0.0.1" in capsys.readouterr().err
 
 
 def test_console_entry_point(redis_url: str) -> None:

@@ -277,7 +277,7 @@ async def test_nothing_was_queued_by_refused_requests(redis_url: str, server: ai
 
 
 async def test_a_closed_port_exits_unavailable_after_the_failover_window(tmp_path: Path) -> None:
-    """The documented window is 20 s and no flag shortens it, so the commands wait it out side by side."""
+    """Every command waits out the failover window (`--failover-timeout`, 1 s here), then exits 4."""
     url = f"redis://:pa%40ss%3Aw0rd@127.0.0.1:{free_port()}/0"
     commands = [
         ("status",),
@@ -288,8 +288,9 @@ async def test_a_closed_port_exits_unavailable_after_the_failover_window(tmp_pat
         ("dead", "list"),
         ("dead", "drop", "--all"),
     ]
-    chat = llmq("--url", url, "chat", "--timeout", "1", stdin="hi\n")
-    results = await asyncio.gather(*(llmq("--url", url, *argv) for argv in commands), chat)
+    window = ("--url", url, "--failover-timeout", "1")
+    chat = llmq(*window, "chat", "--timeout", "1", stdin="hi\n")
+    results = await asyncio.gather(*(llmq(*window, *argv) for argv in commands), chat)
     for argv, done in zip([*commands, ("chat",)], results, strict=True):
         assert done.rc == CODES["UNAVAILABLE"], (argv, done)
         line = done.error_line()
