@@ -727,7 +727,7 @@ def client_kwargs(
     )
 
 
-@settings(max_examples=300, deadline=None, database=None)
+@settings(max_examples=100, deadline=None, database=None)
 @given(kwargs=client_kwargs(client_values, request_ids), use_async=st.booleans())
 @example(kwargs={"messages": [{"role": "user", "content": "a" + BAD_UTF8}], "request_id": "ok"}, use_async=False)
 @example(kwargs={"input_ids": [3], "deadline": INF, "request_id": "ok"}, use_async=True)
