@@ -186,10 +186,12 @@ def _worker(redis_url: str, cwd: Path, *args: str) -> subprocess.CompletedProces
 
 @pytest.mark.parametrize("model", ["/no/such/folder", "./missing.gguf"])
 def test_a_model_that_does_not_load_ends_in_one_line(redis_url: str, tmp_path: Path, model: str) -> None:
-    """A path that is not there is named as such (not as a malformed hub id), in one line, exit status 1."""
+    """A path that is not there is named as such (not as a malformed hub id), in one line, exit status 1, at once:
+    before the worker imports the engine and loads anything."""
     done = _worker(redis_url, tmp_path, "--model", model)
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
+    assert "loading model" not in done.stderr, done.stderr
     missing = Path(model).expanduser()
     assert (
         done.stderr.splitlines()[-1] == f"llmq-worker: cannot load model {model!r}: no such file or folder: {missing}"

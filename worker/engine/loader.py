@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from worker.engine import openmp
+from worker.model_spec import missing_path
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,9 @@ def model_folder(spec: str = DEFAULT_MODEL, options: LoadOptions | None = None) 
     """What `from_pretrained` reads for `spec`: a GGUF file's converted folder (converted on first use), else the
     path or hub id as given. Peers' benchmarks load the same folder."""
     source = resolve_source(spec)
-    if not source.exists() and (spec.startswith(("/", ".", "~")) or source.suffix == ".gguf"):
-        # a path, not a hub id: say so, rather than the hub client's complaint about the id's form
-        raise FileNotFoundError(f"no such file or folder: {source}")
+    missing = None if spec == DEFAULT_MODEL else missing_path(spec)
+    if missing is not None:  # a path, not a hub id: say so, rather than the hub client's complaint about the id's form
+        raise FileNotFoundError(f"no such file or folder: {missing}")
     return _converted_gguf(source, options or LoadOptions()) if source.suffix == ".gguf" else source
 
 
