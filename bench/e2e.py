@@ -5,12 +5,13 @@ and time to first token under Poisson arrivals against static batching of the sa
 
 Throughput runs `bench.engine`'s busy workload (64 requests by default, `max_running` 32, prompts 16-256, outputs
 70 % 16-64 and 30 % 128-384 tokens, greedy, EOS ignored) through the engine alone in this process and through the
-service, one after the other, `--rounds` times (each round with prompts of its own, so that no prefix cache
-helps): `ratio` is the median of the rounds' service/engine ratios, and `ratio_min` / `ratio_max` their spread
-(the target, 0.95, is for every round). The arrival rate is `--load` times the request rate the engine alone
-sustained on that workload, so the service is loaded but not swamped. Static batching serves the same arrivals as
-a server would with `model.generate`: whenever it is idle it takes every request that has arrived (up to 32) as
-one padded batch; a request's first token comes when its batch's first step ends.
+service, one after the other (the engine first in odd rounds, the service first in even ones), `--rounds` times
+(each round with prompts of its own, so that no prefix cache helps): `ratio` is the median of the rounds'
+service/engine ratios, and `ratio_min` / `ratio_max` their spread (the target, 0.95, is for every round). The
+arrival rate is `--load` times the request rate the engine alone sustained on that workload, so the service is
+loaded but not swamped. Static batching serves the same arrivals as a server would with `model.generate`:
+whenever it is idle it takes every request that has arrived (up to 32) as one padded batch; a request's first
+token comes when its batch's first step ends.
 `--device` / `--dtype` place all three (the engine alone, the worker process, static batching) on the same device,
 as the worker's own `--device` / `--dtype` do (`bench/device.sh` runs it on CUDA in bfloat16).
 """
@@ -194,8 +195,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             await run_service(client, warmup)  # warm the worker's kernels, as the engine run does its own
             for round_number in range(1, args.rounds + 1):
                 shifted = other_prompts(jobs, round_number, model.config.vocab_size)
-                engine_s, engine_out = await run_engine(model, tokenizer, shifted, config)
-                e2e_s, e2e_out = await run_service(client, shifted)
+                # Odd rounds run the engine alone first, even rounds the service: a machine whose speed drifts
+                # over a run's minutes then favours neither side (one such run gave the engine alone 38 tok/s in
+                # its first round and 48 in its second).
+                if round_number % 2:
+                    engine_s, engine_out = await run_engine(model, tokenizer, shifted, config)
+                    e2e_s, e2e_out = await run_service(client, shifted)
+                else:
+                    e2e_s, e2e_out = await run_service(client, shifted)
+                    engine_s, engine_out = await run_engine(model, tokenizer, shifted, config)
                 outputs_match = outputs_match and e2e_out == engine_out
                 rounds.append((engine_s, e2e_s))
                 print(
