@@ -55,10 +55,8 @@ def start_worker(
         "--page-size": config.page_size,
         "--max-batch-tokens": config.max_batch_tokens,
         "--max-running": config.max_running,
-        "--read-block-ms": 20,
-        "--heartbeat-s": 0.5,
         "--log-level": "warning",
-    }
+    }  # the rest as deployed: the default read block (a wait that any new entry ends) and heartbeat
     args = [str(part) for pair in flags.items() for part in pair]
     return subprocess.Popen([sys.executable, "-m", "worker", *args], stdout=log.open("wb"), stderr=subprocess.STDOUT)
 

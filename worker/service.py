@@ -37,7 +37,10 @@ from worker.publisher import Publisher, Target
 from worker.runs import Reason, Run, Runs
 
 READ_RETRY_S = 1.0  # a failed read of the queue is retried after about this long (jittered)
-_PREEMPTIVE_WAIT_MS = 100  # a full worker with preemptible work blocks on the lanes this long at a time
+# A full worker with preemptible work and several partitions blocks on the last one's lanes this long per round at
+# most (shared out), so an interactive request on another partition waits at most that for the next round. With one
+# partition it blocks for the read block: the wait wakes on any new entry, and on a run's end.
+_PREEMPTIVE_WAIT_MS = 100
 
 
 class Worker:
@@ -283,7 +286,9 @@ class Worker:
         names, whose slot goes to the urgent request at once, then hand the victim back once its output is
         published."""
         order = self.partitions.rotation()
-        block_ms = max(1, min(self.settings.read_block_ms, _PREEMPTIVE_WAIT_MS) // len(order))
+        block_ms = self.settings.read_block_ms
+        if len(order) > 1:
+            block_ms = max(1, min(block_ms, _PREEMPTIVE_WAIT_MS) // len(order))
         for index, partition in enumerate(order):
             block = block_ms if index == len(order) - 1 else None
             decisions = await partition.intake.read(
