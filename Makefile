@@ -29,20 +29,13 @@ lint: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
-# The tests that start Redis servers, engines and workers, two at a time (a file's tests in one process: they share
-# its module fixtures); then, one at a time, the Cluster sets, Sentinel failovers and kill -9 harnesses, whose
-# timeouts would fire if they shared the two cores (marker `serial`). Beside those, at the lowest priority (nice 19),
-# the unit tier on both cores: it takes the CPU their waits for failovers and restarts leave idle, not theirs, and
-# its report follows theirs. Every tier runs to its end; the target fails if any did.
+# The unit tier on both cores; then the tests that start Redis servers, engines and workers, two at a time (a
+# file's tests in one process: they share its module fixtures); then, one at a time, the Cluster sets, Sentinel
+# failovers and kill -9 harnesses, whose timeouts would fire if they shared the two cores (marker `serial`).
 test: lint docs
+	$(BIN)/python -m pytest -m unit -n 2 -q
 	$(BIN)/python -m pytest -m "not unit and not serial" -n 2 --dist loadfile -q
-	@unit_log=$$(mktemp); \
-	nice -n 19 $(BIN)/python -m pytest -m unit -n 2 -q -p no:cacheprovider > "$$unit_log" 2>&1 & unit=$$!; \
-	trap 'kill $$unit 2>/dev/null; rm -f "$$unit_log"' INT TERM; \
-	$(BIN)/python -m pytest -m "not unit and serial"; serial=$$?; \
-	wait $$unit; unit_status=$$?; \
-	echo "== the unit tier (run beside the serial tier at nice 19) =="; cat "$$unit_log"; rm -f "$$unit_log"; \
-	test $$serial -eq 0 && test $$unit_status -eq 0
+	$(BIN)/python -m pytest -m "not unit and serial"
 
 # The unit tier (no Redis, no model, no engine; markers set by tests/conftest.py) on both cores: about 3.5 min.
 test-fast: $(STAMP)
