@@ -1,8 +1,8 @@
 """The worker process: connect to Redis (failing fast on bad credentials), load the model, start the engine,
 and serve until SIGTERM or SIGINT (the first drains, a second ends the drain). `python -m worker` calls
 `serve`; `Worker` (worker.service) is the service itself, over an already started engine. Torch and transformers
-are imported only once Redis answers (seconds of imports): a URL the worker cannot use, or a model path that is not
-there, is refused at once."""
+are imported only once Redis answers (seconds of imports): a URL the worker cannot use is refused at once, and then a
+model path that is not there."""
 
 from __future__ import annotations
 
@@ -43,9 +43,6 @@ async def serve(settings: Settings, *, handle_signals: bool = True) -> None:
     """Checks Redis, loads the model, starts the engine and serves until SIGTERM or SIGINT."""
     configure(settings.log_format, settings.log_level)
     log = get_logger(worker=settings.worker_id)
-    missing = missing_path(settings.model)
-    if missing is not None:  # at once, not after Redis and seconds of imports
-        raise CannotStart(f"cannot load model {settings.model!r}: no such file or folder: {missing}", status=1)
     url = redact(settings.redis_url.get_secret_value())
     try:
         redis = connect(settings)
@@ -56,6 +53,10 @@ async def serve(settings: Settings, *, handle_signals: bool = True) -> None:
     except Exception as error:
         await redis.aclose()
         raise RedisUnavailable(f"cannot use Redis at {url}: {redact(str(error)) or type(error).__name__}") from None
+    missing = missing_path(settings.model)
+    if missing is not None:  # at once, not after seconds of imports
+        await redis.aclose()
+        raise CannotStart(f"cannot load model {settings.model!r}: no such file or folder: {missing}", status=1)
     from worker.adapter import engine_config
     from worker.engine import Engine, LoadOptions, load_model
     from worker.service import Worker

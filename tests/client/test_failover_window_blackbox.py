@@ -2,9 +2,10 @@
 
 `llmq --failover-timeout SECONDS` (or `LLMQ_FAILOVER_TIMEOUT_S`) bounds how long a command rides out a Redis
 outage before it exits 4 (docs/cli.md, "Connecting"); `llmq-worker --model PATH` with a local path that is not
-there exits 1 with one line naming the path, before Redis is tried (docs/workers.md, "When a worker does not
-start"). Redis is a closed local port throughout: nothing listens, so every connection is refused at once. No test
-waits the default 20 s window, and timing bounds are loose lower bounds or generous upper ones.
+there exits 1 with one line naming the path, once Redis answers and before the engine is imported (docs/workers.md,
+"When a worker does not start"). The CLI's Redis is a closed local port: nothing listens, so every connection is
+refused at once; the worker's is the test session's redis-server. No test waits the default 20 s window, and timing
+bounds are loose lower bounds or generous upper ones.
 """
 
 from __future__ import annotations
@@ -123,10 +124,10 @@ def test_password_never_appears_in_output(tmp_path: Path, window: str) -> None:
 
 
 @pytest.mark.parametrize("spec", ["/no/such/dir", "./missing.gguf", "ABSENT"], ids=["absolute", "relative", "tmp"])
-def test_worker_missing_model_path_exits_1_before_redis(tmp_path: Path, spec: str) -> None:
+def test_worker_missing_model_path_exits_1_before_loading_anything(redis_url: str, tmp_path: Path, spec: str) -> None:
     if spec == "ABSENT":
         spec = str(tmp_path / "absent-model-folder")
-    argv = [LLMQ_WORKER, "--redis-url", _closed_url(), "--metrics-port", "0", "--model", spec]
+    argv = [LLMQ_WORKER, "--redis-url", redis_url, "--metrics-port", "0", "--model", spec]
     run = _run(argv, tmp_path)
     assert run.returncode == 1, run
     assert "Traceback" not in run.stderr, run.stderr
@@ -138,3 +139,4 @@ def test_worker_missing_model_path_exits_1_before_redis(tmp_path: Path, spec: st
     # The path is named as given, or normalised / made absolute; it is the model's path either way.
     assert named == spec or Path(named).name == Path(spec).name, last
     assert "cannot use Redis" not in run.stderr, run.stderr
+    assert "loading model" not in run.stderr, run.stderr  # refused before the engine is imported
