@@ -1,5 +1,5 @@
-"""What a `--model` value names, told without importing torch: the worker refuses a local path that is not there
-before it connects to Redis and imports the engine (seconds), and the loader refuses it the same way."""
+"""What a `--model` value names, told without importing torch: the worker refuses a local path that is not there as
+soon as Redis answers, before it imports the engine (seconds), and the loader refuses it the same way."""
 
 from __future__ import annotations
 
