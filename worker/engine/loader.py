@@ -83,7 +83,7 @@ def model_folder(spec: str = DEFAULT_MODEL, options: LoadOptions | None = None) 
     """What `from_pretrained` reads for `spec`: a GGUF file's converted folder (converted on first use), else the
     path or hub id as given. Peers' benchmarks load the same folder."""
     source = resolve_source(spec)
-    missing = None if spec == DEFAULT_MODEL else missing_path(spec)
+    missing = missing_path(spec)  # the default alias is no path: never missing
     if missing is not None:  # a path, not a hub id: say so, rather than the hub client's complaint about the id's form
         raise FileNotFoundError(f"no such file or folder: {missing}")
     return _converted_gguf(source, options or LoadOptions()) if source.suffix == ".gguf" else source
