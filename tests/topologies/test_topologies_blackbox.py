@@ -381,18 +381,22 @@ async def test_cancels_racing_completion_on_two_shards_end_every_request_exactly
         AsyncClient(url, queue=second) as other,
     ):
         short = {f"race {i}": (first, second)[i % 2] for i in range(48)}
-        jobs = {p: await client.submit(p, max_new_tokens=SHORT, queue=q) for p, q in short.items()}
+        jobs: dict[str, AsyncJob] = {}
+
+        async def submit_and_race(i: int, prompt: str, queue: str) -> list[int]:
+            # Each cancel follows its own submit at once: submitting all 48 first gave the workers (in this event
+            # loop) time to finish every request before the first cancel, and nothing raced (a slow CI machine).
+            jobs[prompt] = job = await client.submit(prompt, max_new_tokens=SHORT, queue=queue)
+            return await cancel_racing(i, job, other)
+
         long = {f"long {i}": (first, second)[i % 2] for i in range(6)}
         long_jobs = {p: await client.submit(p, max_new_tokens=LONG, queue=q) for p, q in long.items()}
         raced, cuts = await asyncio.gather(
-            asyncio.gather(*(cancel_racing(i, job, other) for i, job in enumerate(jobs.values()))),
+            asyncio.gather(*(submit_and_race(i, p, q) for i, (p, q) in enumerate(short.items()))),
             asyncio.gather(*(cancel_after(job, 5) for job in long_jobs.values())),
         )
         outcomes = Counter(
-            [
-                await raced_outcome(i, p, job, tokens)
-                for i, ((p, job), tokens) in enumerate(zip(jobs.items(), raced, strict=True))
-            ]
+            [await raced_outcome(i, p, jobs[p], tokens) for i, (p, tokens) in enumerate(zip(short, raced, strict=True))]
         )
         assert outcomes["cancelled"] >= 1, outcomes
         for (prompt, _), (tokens, reason) in zip(long.items(), cuts, strict=True):
