@@ -12,19 +12,22 @@ from worker.embedded_redis import RedisServer
 _REDIS_FIXTURES = {"redis_server", "redis_cluster", "sentinel_set"}  # real redis-server processes
 _MODEL_FIXTURES = {"tiny_model_dir", "llama_dir", "model_dir", "make_engine", "live"}  # a model on disk, an engine
 _NOT_UNIT = ("redis", "model", "slow", "gpu")
-# Tests whose timing is the point (Redis Cluster sets and Sentinel failovers, kill -9 of worker processes): `make
-# test` runs them alone, after the others have run two at a time.
-_SERIAL_FOLDERS = {"topologies", "faults"}
-_SERIAL_FIXTURES = {"redis_cluster", "sentinel_set", "cluster"}  # `cluster`: worker processes to kill (e2e)
-_SERIAL_NAMES = {"RedisClusterSet", "SentinelSet"}  # a set started in the test's own body
+# Tests whose timing is the point run after the others, in two groups. The Redis Cluster sets and Sentinel
+# failovers (marker `topology`) mostly wait on Redis' timers, about a quarter of two cores: `make test` runs them two
+# at a time. The kill -9 harnesses of worker processes (marker `harness`) keep both cores busy: they run alone.
+_TOPOLOGY_FOLDERS = {"topologies"}
+_TOPOLOGY_FIXTURES = {"redis_cluster", "sentinel_set"}
+_TOPOLOGY_NAMES = {"RedisClusterSet", "SentinelSet"}  # a set started in the test's own body
+_HARNESS_FOLDERS = {"faults"}
+_HARNESS_FIXTURES = {"cluster"}  # worker processes to kill (e2e)
 
 
-def _serial(item: pytest.Item, used: set[str]) -> bool:
-    if _SERIAL_FOLDERS & set(item.path.parts) or used & _SERIAL_FIXTURES:
+def _topology(item: pytest.Item, used: set[str]) -> bool:
+    if _TOPOLOGY_FOLDERS & set(item.path.parts) or used & _TOPOLOGY_FIXTURES:
         return True
     function = getattr(item, "function", None)
     code = getattr(function, "__code__", None)
-    return code is not None and bool(_SERIAL_NAMES & set(code.co_names))
+    return code is not None and bool(_TOPOLOGY_NAMES & set(code.co_names))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -34,8 +37,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.redis)
         if used & _MODEL_FIXTURES:
             item.add_marker(pytest.mark.model)
-        if _serial(item, used):
-            item.add_marker(pytest.mark.serial)
+        if _HARNESS_FOLDERS & set(item.path.parts) or used & _HARNESS_FIXTURES:
+            item.add_marker(pytest.mark.harness)
+        elif _topology(item, used):
+            item.add_marker(pytest.mark.topology)
         if not any(item.get_closest_marker(name) for name in _NOT_UNIT):
             item.add_marker(pytest.mark.unit)
 
