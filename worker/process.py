@@ -7,6 +7,7 @@ model path that is not there."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 from typing import Any
 
@@ -95,12 +96,23 @@ async def serve(settings: Settings, *, handle_signals: bool = True) -> None:
                 "--max-batch-tokens or --page-size",
                 status=2,
             ) from error
+        log.info("startup heap frozen", objects=freeze_startup_heap())
         try:
             await Worker(settings, engine, redis).run(stop, hurry)
         finally:
             await engine.close()
     finally:
         await redis.aclose()
+
+
+def freeze_startup_heap() -> int:
+    """Moves what the imports, the model and the engine left (some 390,000 objects with a tiny model, all living as
+    long as the process) out of the garbage collector's reach, and returns how many: a full collection no longer
+    walks them (0.19 s each time, on whichever thread allocates, the engine's too) and the process exits in 0.15 s
+    instead of 1 s of collecting at shutdown. Garbage is collected first, so none of it is kept."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def one_line(error: BaseException) -> str:
