@@ -12,6 +12,10 @@ with CLUSTER MEET / ADDSLOTSRANGE / REPLICATE through redis-py, so it needs noth
 from __future__ import annotations
 
 import atexit
+import itertools
+import os
+import random
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterable
@@ -29,7 +33,7 @@ from redis.retry import Retry
 
 from client.store import Keys
 from testing.certificates import TLSFiles
-from worker.embedded_redis import find_redis_server, free_port
+from worker.embedded_redis import find_redis_server
 
 HOST = "127.0.0.1"
 SLOTS = 16384
@@ -65,13 +69,40 @@ def wait_until(check: Callable[[], T | None], *, timeout: float, what: str, node
         time.sleep(0.05)
 
 
-def distinct_free_ports(count: int) -> list[int]:
-    ports: list[int] = []
-    while len(ports) < count:
-        port = free_port()
-        if port not in ports:
+# Node ports come from a band of this test process's own, below the kernel's ephemeral range (32768 and up on
+# Linux): a node killed for a failover is started again on its port seconds later, and in the meantime neither a
+# second test process (`make test` runs two topology tests at a time) nor an outgoing connection may take it.
+_BAND_BASE, _BAND_SIZE, _BANDS = 20_000, 3_000, 4
+_NEXT_IN_BAND = itertools.count(random.randrange(_BAND_SIZE))
+
+
+def _band_start() -> int:
+    """This process's band: by pytest-xdist's worker number (`gw0`, `gw1`, ...); a run without xdist takes the first."""
+    number = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    return _BAND_BASE + _BAND_SIZE * ((int(number) if number.isdigit() else 0) % _BANDS)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as redis-server binds
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def node_ports(count: int) -> list[int]:
+    """`count` distinct ports for nodes this process may restart: from its own band, each free now, handed out in
+    turn so a killed node's port is not handed out again while the band has others."""
+    start, ports = _band_start(), []
+    for _ in range(_BAND_SIZE):
+        port = start + next(_NEXT_IN_BAND) % _BAND_SIZE
+        if port not in ports and _bindable(port):
             ports.append(port)
-    return ports
+            if len(ports) == count:
+                return ports
+    raise RuntimeError(f"no {count} free ports in {start}-{start + _BAND_SIZE - 1}")
 
 
 def conf_quote(value: str) -> str:
@@ -332,7 +363,7 @@ class RedisClusterSet(_NodeSet):
         tls: TLSFiles | None = None,
     ) -> None:
         count = masters * (1 + replicas)
-        ports = distinct_free_ports(2 * count)  # the cluster bus gets its own free port, not port + 10000
+        ports = node_ports(2 * count)  # the cluster bus gets a port of its own, not port + 10000
         self.bus_ports = dict(zip(ports[:count], ports[count:], strict=True))
         self.initial_masters = masters
         self.nodes = [
@@ -512,7 +543,7 @@ class SentinelSet(_NodeSet):
         self.tls = tls
         self.password = password
         self.sentinel_password = sentinel_password
-        master_port, replica_port, *sentinel_ports = distinct_free_ports(5)
+        master_port, replica_port, *sentinel_ports = node_ports(5)
         auth = [f"requirepass {conf_quote(password)}", f"masterauth {conf_quote(password)}"] if password else []
         self.data_nodes = [
             RedisNode(root / "master", master_port, [*DATA_NODE_CONF, *auth], password=password, tls=tls),

@@ -27,10 +27,9 @@ import redis
 from client import AsyncClient, AsyncJob, Client, Job, LLMQError
 from client.protocol import decode_event, decode_request
 from client.store import Keys
-from testing.redis_topologies import HOST, RedisNode, conf_quote, wait_until
+from testing.redis_topologies import HOST, RedisNode, conf_quote, node_ports, wait_until
 from testing.scripted_engine import expected_tokens
 from tests import polling
-from worker.embedded_redis import free_port
 
 T = TypeVar("T")
 PERSISTENT = ('save ""', "appendonly yes", "appendfsync always", "repl-diskless-sync-delay 0")
@@ -66,7 +65,8 @@ def url_of(node: RedisNode, password: str | None = None, *, user: str = "") -> s
 def server(workdir: Path, *conf: str, password: str | None = None) -> RedisNode:
     """A started, answering redis-server whose writes survive SIGKILL; stopped by the caller."""
     auth = [f"requirepass {conf_quote(password)}"] if password else []
-    return RedisNode(workdir, free_port(), [*PERSISTENT, *auth, *conf], password=password).start().wait_ready()
+    (port,) = node_ports(1)  # restarted on it after a SIGKILL: see node_ports
+    return RedisNode(workdir, port, [*PERSISTENT, *auth, *conf], password=password).start().wait_ready()
 
 
 @contextlib.contextmanager
