@@ -180,19 +180,21 @@ def test_an_empty_model_name_is_a_usage_error(
     )
 
 
+def _worker_argv(redis_url: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "worker", "--redis-url", redis_url, "--metrics-port", "0", *args]
+
+
 def _worker(redis_url: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = without_settings()
-    argv = [sys.executable, "-m", "worker", "--redis-url", redis_url, "--metrics-port", "0", *args]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=cwd)
+    argv = _worker_argv(redis_url, *args)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=without_settings(), cwd=cwd)
 
 
 def test_a_started_worker_freezes_its_startup_heap_and_drains_on_sigterm(redis_url: str, tmp_path: Path) -> None:
     """Once the engine runs, what startup left is moved out of the collector's reach (one line says how much); the
     first SIGTERM then drains and the process exits 0."""
     folder = save_tiny_model(tmp_path / "model")
-    argv = [sys.executable, "-m", "worker", "--redis-url", redis_url, "--metrics-port", "0", "--model", str(folder)]
     with subprocess.Popen(
-        [*argv, "--log-format", "json"],
+        _worker_argv(redis_url, "--model", str(folder), "--log-format", "json"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
