@@ -34,9 +34,11 @@ Bfloat16 (`LLMQ_DTYPE=bfloat16`), on a CPU with native bfloat16 products (AVX-51
 skips it): the engine way again on the model loaded in bfloat16, and bfloat16 `generate` one at a time on the same
 subset. `bf16_engine_tok_s`, `bf16_lone_decode_ms`, `bf16_ratio_float32` (busy tokens/s over float32's),
 `bf16_matches_generate` (requests of the subset equal to bfloat16 `generate`'s), `bf16_first_diff_mean` (the mean
-first differing token against the float32 engine's outputs) and `bf16_logprob_diff_mean` (the float32 engine's
-greedy tokens scored by both models, teacher-forced: the mean absolute difference of their log-probabilities per
-token). `lone_bound_ms` (and `bf16_lone_bound_ms`): the bytes of every weight a decode step multiplies, over the read
+first differing token against the float32 engine's outputs; `bf16_subset_first_diff_mean` on the subset alone, and
+`bf16_generate_first_diff_mean` the same for bfloat16 `generate` on that subset: which of the two bfloat16 ways stays
+closer to float32, as neither computes exactly as the other) and `bf16_logprob_diff_mean` (the float32 engine's greedy
+tokens scored by both models, teacher-forced: the mean absolute difference of their log-probabilities per token).
+`lone_bound_ms` (and `bf16_lone_bound_ms`): the bytes of every weight a decode step multiplies, over the read
 bandwidth measured here (`read_gb_s`): what a lone token would cost if reading the weights were all it did.
 
 `--exact-rows` also runs the engine way with each product at its exact row count, as before products were padded
@@ -75,6 +77,8 @@ BFLOAT16_KEYS = (
     "bf16_ratio_float32",
     "bf16_matches_generate",
     "bf16_first_diff_mean",
+    "bf16_subset_first_diff_mean",
+    "bf16_generate_first_diff_mean",
     "bf16_logprob_diff_mean",
     "bf16_lone_bound_ms",
 )
@@ -439,12 +443,17 @@ def bfloat16_figures(
     _report("engine bf16", bf16_s, useful)
     _, references = run_sequential(bf16_model, subset)
     firsts = first_differences(bf16_out, engine_out)
+    float32_subset = [engine_out[job.index] for job in subset]
+    subset_firsts = first_differences([bf16_out[job.index] for job in subset], float32_subset)
+    generate_firsts = first_differences(references, float32_subset)
     return {
         "bf16_engine_tok_s": round(useful / bf16_s, 2),
         "bf16_lone_decode_ms": round(probe.lone_decode_ms, 2),
         "bf16_ratio_float32": round(engine_s / bf16_s, 3),
         "bf16_matches_generate": sum(bf16_out[job.index] == ref for job, ref in zip(subset, references, strict=True)),
         "bf16_first_diff_mean": round(sum(firsts) / len(firsts), 1),
+        "bf16_subset_first_diff_mean": round(sum(subset_firsts) / len(subset_firsts), 1),
+        "bf16_generate_first_diff_mean": round(sum(generate_firsts) / len(generate_firsts), 1),
         "bf16_logprob_diff_mean": round(logprob_difference(model, bf16_model, subset, engine_out), 4),
         "bf16_lone_bound_ms": round(weight_bytes(bf16_model) / read_bytes_per_ms(), 2),
     }
@@ -657,7 +666,9 @@ def main(argv: list[str] | None = None) -> None:
             f"float32's), lone {bf16_figures['bf16_lone_decode_ms']} ms/token (bound "
             f"{bf16_figures['bf16_lone_bound_ms']}); equal to bfloat16 generate {bf16_figures['bf16_matches_generate']}"
             f"/{len(subset)}; against float32: first difference at token {bf16_figures['bf16_first_diff_mean']} on "
-            f"average, log-probability difference {bf16_figures['bf16_logprob_diff_mean']} per token"
+            f"average, log-probability difference {bf16_figures['bf16_logprob_diff_mean']} per token; on the "
+            f"subset first difference at {bf16_figures['bf16_subset_first_diff_mean']} (bfloat16 generate: "
+            f"{bf16_figures['bf16_generate_first_diff_mean']})"
         )
     print(f"lone bound: {figures['lone_bound_ms']} ms/token (weights over {figures['read_gb_s']} GB/s read)")
     if padding:
