@@ -29,14 +29,16 @@ lint: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
-# The unit tier on both cores; then the tests that start Redis servers, engines and workers, two at a time (a
-# file's tests in one process: they share its module fixtures); then the Cluster sets and Sentinel failovers, two
-# at a time beside each other only (they mostly wait on Redis' timers; marker `topology`); last, alone, the kill -9
-# harnesses of worker processes, which keep both cores busy (marker `harness`).
+# The unit tier on both cores; then the tests that start Redis servers, engines and workers, three at a time (a
+# file's tests in one process: they share its module fixtures; they wait on Redis, processes and timers about a
+# third of the time, so two left the cores 58 % busy); then the Cluster sets and Sentinel failovers, four at a time
+# beside each other only (they mostly wait on Redis' timers; marker `topology`; each test process takes its nodes'
+# ports from one of four bands, `testing/redis_topologies.py`); last, alone, the kill -9 harnesses of worker
+# processes, which keep both cores busy (marker `harness`).
 test: lint docs
 	$(BIN)/python -m pytest -m unit -n 2 -q
-	$(BIN)/python -m pytest -m "not unit and not topology and not harness" -n 2 --dist loadfile -q
-	$(BIN)/python -m pytest -m "not unit and topology" -n 2 --dist loadfile -q
+	$(BIN)/python -m pytest -m "not unit and not topology and not harness" -n 3 --dist loadfile -q
+	$(BIN)/python -m pytest -m "not unit and topology" -n 4 --dist loadfile -q
 	$(BIN)/python -m pytest -m "not unit and harness"
 
 # The unit tier (no Redis, no model, no engine; markers set by tests/conftest.py) on both cores: about 3.3 min.

@@ -71,7 +71,8 @@ def wait_until(check: Callable[[], T | None], *, timeout: float, what: str, node
 
 # Node ports come from a band of this test process's own, below the kernel's ephemeral range (32768 and up on
 # Linux): a node killed for a failover is started again on its port seconds later, and in the meantime neither a
-# second test process (`make test` runs two topology tests at a time) nor an outgoing connection may take it.
+# second test process (`make test` runs four topology tests at a time, one band each) nor an outgoing connection may
+# take it.
 _BAND_BASE, _BAND_SIZE, _BANDS = 20_000, 3_000, 4
 _NEXT_IN_BAND = itertools.count(random.randrange(_BAND_SIZE))
 
