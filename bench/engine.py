@@ -118,8 +118,15 @@ def load_bfloat16(quick: bool, device: str) -> Any:
         from testing.tiny_models import save_tiny_model
 
         folder = save_tiny_model(Path(tempfile.mkdtemp(prefix="llmq-bench-")), "llama", max_positions=2048)
-        return load_model(str(folder), LoadOptions(dtype="bfloat16", cache_dir=folder / "cache"))[0]
-    return load_model(DEFAULT_MODEL, LoadOptions(device=device, dtype="bfloat16"))[0]
+        return ignoring_eos(load_model(str(folder), LoadOptions(dtype="bfloat16", cache_dir=folder / "cache"))[0])
+    return ignoring_eos(load_model(DEFAULT_MODEL, LoadOptions(device=device, dtype="bfloat16"))[0])
+
+
+def ignoring_eos(model: Any) -> Any:
+    """`model` with EOS ignored by `generate`, as the engine's requests ignore it (`ignore_eos`): every request
+    generates all it asked for, so a reference never ends early where the engine goes on."""
+    model.generation_config.eos_token_id = None
+    return model
 
 
 def busy_workload(vocab_size: int, count: int, seed: int = 0) -> list[Job]:
@@ -138,8 +145,7 @@ def load_busy(
 ) -> tuple[Any, Any, list[Job]]:
     """The model with EOS ignored (every request generates all it asked for), its tokenizer and the busy workload."""
     model, tokenizer = load_model(spec, options)
-    model.generation_config.eos_token_id = None
-    return model, tokenizer, busy_workload(model.config.vocab_size, requests)
+    return ignoring_eos(model), tokenizer, busy_workload(model.config.vocab_size, requests)
 
 
 def engine_config(jobs: list[Job], max_running: int) -> EngineConfig:
@@ -557,7 +563,7 @@ def main(argv: list[str] | None = None) -> None:
     variants = [Variant("int8", load_int8(args.quick, args.device, args.dtype))] if args.quantize == "int8" else []
     if args.float32_few_rows:
         variants.append(Variant("few_rows", load_float32_few_rows(args.quick, args.device, args.dtype)))
-    model.generation_config.eos_token_id = None  # EOS ignored: every request generates all it asked for
+    ignoring_eos(model)
     if args.all_at_once:
         count = max_running = args.requests or 32
         jobs, shape = make_workload(model.config.vocab_size, count, (16, 256), (16, 128)), "all at once"
