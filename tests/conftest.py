@@ -13,8 +13,9 @@ _REDIS_FIXTURES = {"redis_server", "redis_cluster", "sentinel_set"}  # real redi
 _MODEL_FIXTURES = {"tiny_model_dir", "llama_dir", "model_dir", "make_engine", "live"}  # a model on disk, an engine
 _NOT_UNIT = ("redis", "model", "slow", "gpu")
 # Tests whose timing is the point run after the others, in two groups. The Redis Cluster sets and Sentinel
-# failovers (marker `topology`) mostly wait on Redis' timers, about a quarter of two cores: `make test` runs them two
-# at a time. The kill -9 harnesses of worker processes (marker `harness`) keep both cores busy: they run alone.
+# failovers (marker `topology`) mostly wait on Redis' timers, about a quarter of two cores: `make test` runs them four
+# at a time (one port band each). The kill -9 harnesses of worker processes (marker `harness`) keep both cores busy:
+# they run alone.
 _TOPOLOGY_FOLDERS = {"topologies"}
 _TOPOLOGY_FIXTURES = {"redis_cluster", "sentinel_set"}
 _TOPOLOGY_NAMES = {"RedisClusterSet", "SentinelSet"}  # a set started in the test's own body
