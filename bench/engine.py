@@ -363,6 +363,12 @@ def first_differences(outputs: list[list[int]], references: list[list[int]]) -> 
     ]
 
 
+def mean_first_difference(outputs: list[list[int]], references: list[list[int]]) -> float:
+    """`first_differences` averaged over the requests, to one decimal."""
+    firsts = first_differences(outputs, references)
+    return round(sum(firsts) / len(firsts), 1)
+
+
 def limit_by_kind(steps: list[StepRecord], bounds: list[float]) -> dict[str, float | None]:
     """`limit_fraction` over the decode-only steps and over the steps that ran a prompt chunk, and the decode-only
     steps' share of the step time: which kind of step the distance to the bound is in."""
@@ -448,18 +454,16 @@ def bfloat16_figures(
     bf16_s, bf16_out = asyncio.run(run_engine(bf16_model, tokenizer, jobs, config, probe))
     _report("engine bf16", bf16_s, useful)
     _, references = run_sequential(bf16_model, subset)
-    firsts = first_differences(bf16_out, engine_out)
+    bf16_subset = [bf16_out[job.index] for job in subset]
     float32_subset = [engine_out[job.index] for job in subset]
-    subset_firsts = first_differences([bf16_out[job.index] for job in subset], float32_subset)
-    generate_firsts = first_differences(references, float32_subset)
     return {
         "bf16_engine_tok_s": round(useful / bf16_s, 2),
         "bf16_lone_decode_ms": round(probe.lone_decode_ms, 2),
         "bf16_ratio_float32": round(engine_s / bf16_s, 3),
-        "bf16_matches_generate": sum(bf16_out[job.index] == ref for job, ref in zip(subset, references, strict=True)),
-        "bf16_first_diff_mean": round(sum(firsts) / len(firsts), 1),
-        "bf16_subset_first_diff_mean": round(sum(subset_firsts) / len(subset_firsts), 1),
-        "bf16_generate_first_diff_mean": round(sum(generate_firsts) / len(generate_firsts), 1),
+        "bf16_matches_generate": sum(out == ref for out, ref in zip(bf16_subset, references, strict=True)),
+        "bf16_first_diff_mean": mean_first_difference(bf16_out, engine_out),
+        "bf16_subset_first_diff_mean": mean_first_difference(bf16_subset, float32_subset),
+        "bf16_generate_first_diff_mean": mean_first_difference(references, float32_subset),
         "bf16_logprob_diff_mean": round(logprob_difference(model, bf16_model, subset, engine_out), 4),
         "bf16_lone_bound_ms": round(weight_bytes(bf16_model) / read_bytes_per_ms(), 2),
     }
