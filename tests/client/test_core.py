@@ -276,10 +276,63 @@ def test_between_sweeps_only_the_streams_a_notice_names_are_read() -> None:
     assert told.block_ms is None and set(told.chunks[0]) == {keys.wake("c1"), keys.result("r7"), keys.result("r500")}
     assert told.chunks[0][keys.wake("c1")] == "5-1"
     swept: set[str] = set()
-    for step in range(3):  # the sweep reads every stream, one chunk per step
+    for step in range(3):  # the first sweep reads every stream, one chunk per step
         chunks = reading.plan(0.05 * (step + 1)).chunks
         swept |= {str(key) for chunk in chunks for key in chunk}
-    assert {keys.result(f"r{i}") for i in range(600)} <= swept
+    assert {keys.result(f"r{i}") for i in range(256, 600)} <= swept
+    again: set[str] = set()
+    for step in range(3):  # the next one only those no notice has named
+        chunks = reading.plan(0.2 + 0.05 * step).chunks
+        again |= {str(key) for chunk in chunks for key in chunk}
+    assert keys.result("r7") not in again and keys.result("r500") not in again
+    assert {keys.result(f"r{i}") for i in range(600) if i not in (7, 500)} <= again
+
+
+def _noticed_reader(keys: Keys, count: int) -> MuxCore:
+    """A reader of `count` streams after its first sweep, every stream named by a notice."""
+    reading = MuxCore(keys, "c1")
+    for i in range(count):
+        reading.follow(keys.result(f"r{i}"), b"0-0", None)
+    reading.plan(0.0)
+    names = " ".join(keys.result(f"r{i}") for i in range(count)).encode()
+    reading.route({keys.wake("c1").encode(): [[b"5-1", {b"r": names}]]})
+    reading.plan(0.01)  # the streams the notice named
+    return reading
+
+
+def test_streams_that_notices_cover_are_swept_once_a_quiet_period() -> None:
+    keys = Keys("default")
+    reading = _noticed_reader(keys, 3)
+    waiting = reading.plan(0.02)  # no fast sweep is due: the read blocks until the quiet sweep
+    assert waiting.chunks == [{keys.wake("c1"): "5-1"}] and waiting.block_ms == 980
+    assert reading.plan(0.5).block_ms == 500
+    quiet = reading.plan(mux.QUIET_SWEEP_S)
+    assert quiet.block_ms is None and set(quiet.chunks[0]) == {keys.wake("c1")} | {
+        keys.result(f"r{i}") for i in range(3)
+    }
+
+
+def test_a_sweep_that_finds_entries_no_notice_named_puts_the_stream_back_on_the_fast_sweep() -> None:
+    keys = Keys("default")
+    reading = _noticed_reader(keys, 2)
+    reading.plan(mux.QUIET_SWEEP_S)  # the quiet sweep reads both
+    event = [[b"7-0", {b"m": encode(chunk(0, [1], "a"))}]]
+    reading.route({keys.result("r0").encode(): event})  # news without a notice: a trimmed wake stream, say
+    assert reading.plan(mux.QUIET_SWEEP_S + 0.01).block_ms == 40
+    fast = reading.plan(mux.QUIET_SWEEP_S + 0.05)
+    assert set(fast.chunks[0]) == {keys.wake("c1"), keys.result("r0")}
+
+
+def test_entries_read_with_the_notice_that_names_them_keep_the_quiet_sweep() -> None:
+    keys = Keys("default")
+    reading = _noticed_reader(keys, 1)
+    reading.plan(mux.QUIET_SWEEP_S)  # the quiet sweep reads the stream, and the wake stream with it
+    event = [[b"7-0", {b"m": encode(chunk(0, [1], "a"))}]]
+    notice = [[b"7-1", {b"r": keys.result("r0").encode()}]]
+    routed = reading.route({keys.wake("c1").encode(): notice, keys.result("r0").encode(): event})
+    assert len(routed) == 1
+    reading.plan(mux.QUIET_SWEEP_S + 0.01)  # the stream the notice named, read again
+    assert reading.plan(mux.QUIET_SWEEP_S + 0.02).block_ms == 980
 
 
 def test_a_key_of_another_type_fails_its_followers_only_and_the_round_is_read_again() -> None:
