@@ -7,7 +7,11 @@ Throughput runs `bench.engine`'s busy workload (64 requests by default, `max_run
 70 % 16-64 and 30 % 128-384 tokens, greedy, EOS ignored) through the engine alone in this process and through the
 service, one after the other (the engine first in odd rounds, the service first in even ones), `--rounds` times
 (each round with prompts of its own, so that no prefix cache helps): `ratio` is the median of the rounds'
-service/engine ratios, and `ratio_min` / `ratio_max` their spread (the target, 0.95, is for every round). The
+service/engine ratios, and `ratio_min` / `ratio_max` their spread (the target, 0.95, is for every round).
+`service_cpu_pct` says where the CPU went during the service's rounds, in % of one core (Linux, from `/proc`):
+the client (this process, whose engine is idle meanwhile), Redis, the worker's event loop (its main thread: intake,
+relays, publisher) and the worker's other threads (the engine's). On a machine whose cores the engine fills, every
+point the first three take is about a point of throughput the service loses. The
 arrival rate is `--load` times the request rate the engine alone sustained on that workload, so the service is
 loaded but not swamped. Static batching serves the same arrivals as a server would with `model.generate`:
 whenever it is idle it takes every request that has arrived (up to 32) as one padded batch; a request's first
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import subprocess
@@ -61,6 +66,61 @@ def start_worker(
     return subprocess.Popen([sys.executable, "-m", "worker", *args], stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) each thread of process `pid` has used so far, by thread id, from `/proc`."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after the name, which may hold spaces
+        used[int(task.name)] = (int(fields[11]) + int(fields[12])) / tick
+    return used
+
+
+class CpuMeter:
+    """CPU used by each part of the service while it is measured, in % of one core: the client, Redis, the worker's
+    event loop (its main thread) and the worker's other threads. None where `/proc` is missing (not Linux)."""
+
+    def __init__(self, client: int, redis: int, worker: int) -> None:
+        self._pids = {"client": client, "redis": redis, "worker": worker}
+        self._used: dict[str, float] = {}
+        self._seconds = 0.0
+        self._start: tuple[float, dict[str, float]] | None = None
+
+    def _sample(self) -> dict[str, float]:
+        parts = {}
+        for part, pid in self._pids.items():
+            threads = thread_cpu_s(pid)
+            if part == "worker":
+                parts["worker_loop"] = threads.get(pid, 0.0)
+                parts["worker_engine"] = sum(threads.values()) - parts["worker_loop"]
+            else:
+                parts[part] = sum(threads.values())
+        return parts
+
+    def start(self) -> None:
+        if Path("/proc/self/task").is_dir():
+            self._start = (time.perf_counter(), self._sample())
+
+    def stop(self) -> None:
+        if self._start is None:
+            return
+        began, before = self._start
+        after = self._sample()
+        self._seconds += time.perf_counter() - began
+        for part, used in after.items():
+            self._used[part] = self._used.get(part, 0.0) + used - before.get(part, 0.0)
+        self._start = None
+
+    def shares(self) -> dict[str, float] | None:
+        if not self._seconds:
+            return None
+        return {part: round(100 * used / self._seconds, 1) for part, used in self._used.items()}
+
+
 async def wait_for_worker(client: AsyncClient, process: subprocess.Popen[bytes], log: Path) -> None:
     while not (await client.status()).workers:
         if process.poll() is not None:
@@ -81,11 +141,18 @@ def other_prompts(jobs: list[Job], shift: int, vocab_size: int) -> list[Job]:
     ]
 
 
-async def run_service(client: AsyncClient, jobs: list[Job]) -> tuple[float, list[list[int]]]:
+async def run_service(
+    client: AsyncClient, jobs: list[Job], meter: CpuMeter | None = None
+) -> tuple[float, list[list[int]]]:
+    if meter is not None:
+        meter.start()
     start = time.perf_counter()
     submitted = await asyncio.gather(*(_submit(client, job) for job in jobs))
     results = await asyncio.gather(*(job.result(timeout=600) for job in submitted))
-    return time.perf_counter() - start, [result.token_ids for result in results]
+    seconds = time.perf_counter() - start
+    if meter is not None:
+        meter.stop()
+    return seconds, [result.token_ids for result in results]
 
 
 async def service_ttfts(client: AsyncClient, jobs: list[Job], arrivals: list[float]) -> list[float]:
@@ -186,6 +253,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     worker = start_worker(server.url, model_spec, options, config, log)
     rounds: list[tuple[float, float]] = []  # (engine alone s, service s)
     outputs_match = True
+    assert server.pid is not None
+    meter = CpuMeter(os.getpid(), server.pid, worker.pid)
     try:
         async with AsyncClient(server.url, max_queue_len=0) as client:
             await wait_for_worker(client, worker, log)
@@ -198,9 +267,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 # its first round and 48 in its second).
                 if round_number % 2:
                     engine_s, engine_out = await run_engine(model, tokenizer, shifted, config)
-                    e2e_s, e2e_out = await run_service(client, shifted)
+                    e2e_s, e2e_out = await run_service(client, shifted, meter)
                 else:
-                    e2e_s, e2e_out = await run_service(client, shifted)
+                    e2e_s, e2e_out = await run_service(client, shifted, meter)
                     engine_s, engine_out = await run_engine(model, tokenizer, shifted, config)
                 outputs_match = outputs_match and e2e_out == engine_out
                 rounds.append((engine_s, e2e_s))
@@ -238,6 +307,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "ratio_min": round(min(ratios), 3),
         "ratio_max": round(max(ratios), 3),
         "ratios": [round(ratio, 3) for ratio in ratios],
+        "service_cpu_pct": meter.shares(),
         "outputs_match": outputs_match,
         "arrival_rate_req_s": round(rate, 3),
         "ttft_p50_s": round(percentile(service, 0.5), 3),
@@ -252,6 +322,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         f"throughput ratio e2e/engine: median {figures['ratio']} over {len(rounds)} rounds (min {figures['ratio_min']},"
         f" max {figures['ratio_max']}); outputs equal: {figures['outputs_match']}"
     )
+    print(f"CPU during the service's rounds, % of one core: {figures['service_cpu_pct']}")
     print(
         f"TTFT service p50 {figures['ttft_p50_s']} s p99 {figures['ttft_p99_s']} s; "
         f"static p50 {figures['static_ttft_p50_s']} s p99 {figures['static_ttft_p99_s']} s; "

@@ -64,6 +64,11 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs (for benchmarks that measure its CPU)."""
+        return self._process.pid if self._process is not None else None
+
     def start(self) -> RedisServer:
         # Its own session, so a Ctrl-C meant for the program that started it does not stop it first.
         self._process = subprocess.Popen(
