@@ -38,7 +38,8 @@ log = logging.getLogger("llmq.client")
 CHUNK_KEYS = 256  # result streams per XREAD
 ENTRIES_PER_STREAM = 512  # COUNT: a backlog is read in a few calls, never unbounded
 BLOCK_S = 2.0  # per blocking XREAD; stays under redis-py's default 5 s socket timeout
-SWEEP_STEP_S = 0.05  # one sweep chunk per step: every stream of 256 followed jobs is read at least every 50 ms
+SWEEP_STEP_S = 0.05  # one sweep chunk per step (a Redis at the default `hz 10` ends the blocking read between two
+# steps on its 100 ms tick: about every 100 ms there)
 QUIET_SWEEP_S = 1.0  # how often streams that notices cover are swept too (a notice lost to trimming)
 RECONNECT_BUDGET_S = 30.0  # how long the reader keeps retrying a lost connection
 BACKOFF_BASE_S = 0.05
