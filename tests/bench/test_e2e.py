@@ -45,18 +45,21 @@ def test_each_threads_cpu_is_counted_under_its_own_id() -> None:
 
 
 def test_the_meter_splits_a_workers_main_thread_from_its_others_and_counts_only_while_running() -> None:
-    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    idle = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(30)"], stdout=subprocess.PIPE
+    )
     try:
+        assert idle.stdout is not None and idle.stdout.readline() == b"ready\n"  # past its start-up's CPU
         meter = CpuMeter(client=os.getpid(), redis=idle.pid, worker=os.getpid())
         assert meter.shares() is None  # nothing measured yet
         meter.start()
-        _spin(0.3)  # this thread is the "worker's main thread" and the client here
+        _spin(0.5)  # this thread is the "worker's main thread" and the client here
         meter.stop()
         _spin(0.3)  # not measured
         shares = meter.shares()
         assert shares is not None
         assert set(shares) == {"client", "redis", "worker_loop", "worker_engine"}
-        assert 50 <= shares["worker_loop"] <= 110 and 50 <= shares["client"] <= 110
+        assert 25 <= shares["worker_loop"] <= 110 and 25 <= shares["client"] <= 110  # it spun, on a loaded core or not
         assert shares["redis"] < 10 and shares["worker_engine"] < 20
     finally:
         idle.kill()
