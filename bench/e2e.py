@@ -66,18 +66,11 @@ def start_worker(
     return subprocess.Popen([sys.executable, "-m", "worker", *args], stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 
-def thread_cpu_s(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) each thread of process `pid` has used so far, by thread id, from `/proc`."""
-    tick = os.sysconf("SC_CLK_TCK")
-    used = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            stat = (task / "stat").read_text()
-        except OSError:  # the thread ended meanwhile
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # after the name, which may hold spaces
-        used[int(task.name)] = (int(fields[11]) + int(fields[12])) / tick
-    return used
+def cpu_s(stat: Path) -> float:
+    """User + system CPU seconds from a `/proc` stat file: a process's (its ended threads included) or a thread's."""
+    text = stat.read_text()
+    fields = text[text.rindex(")") + 2 :].split()  # after the name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class CpuMeter:
@@ -85,24 +78,22 @@ class CpuMeter:
     event loop (its main thread) and the worker's other threads. None where `/proc` is missing (not Linux)."""
 
     def __init__(self, client: int, redis: int, worker: int) -> None:
-        self._pids = {"client": client, "redis": redis, "worker": worker}
+        self._client, self._redis, self._worker = client, redis, worker
         self._used: dict[str, float] = {}
         self._seconds = 0.0
         self._start: tuple[float, dict[str, float]] | None = None
 
     def _sample(self) -> dict[str, float]:
-        parts = {}
-        for part, pid in self._pids.items():
-            threads = thread_cpu_s(pid)
-            if part == "worker":
-                parts["worker_loop"] = threads.get(pid, 0.0)
-                parts["worker_engine"] = sum(threads.values()) - parts["worker_loop"]
-            else:
-                parts[part] = sum(threads.values())
-        return parts
+        loop = cpu_s(Path(f"/proc/{self._worker}/task/{self._worker}/stat"))
+        return {
+            "client": cpu_s(Path(f"/proc/{self._client}/stat")),
+            "redis": cpu_s(Path(f"/proc/{self._redis}/stat")),
+            "worker_loop": loop,
+            "worker_engine": cpu_s(Path(f"/proc/{self._worker}/stat")) - loop,
+        }
 
     def start(self) -> None:
-        if Path("/proc/self/task").is_dir():
+        if Path("/proc/self/stat").is_file():
             self._start = (time.perf_counter(), self._sample())
 
     def stop(self) -> None:
@@ -112,7 +103,7 @@ class CpuMeter:
         after = self._sample()
         self._seconds += time.perf_counter() - began
         for part, used in after.items():
-            self._used[part] = self._used.get(part, 0.0) + used - before.get(part, 0.0)
+            self._used[part] = self._used.get(part, 0.0) + used - before[part]
         self._start = None
 
     def shares(self) -> dict[str, float] | None:
@@ -253,7 +244,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     worker = start_worker(server.url, model_spec, options, config, log)
     rounds: list[tuple[float, float]] = []  # (engine alone s, service s)
     outputs_match = True
-    assert server.pid is not None
+    if server.pid is None:
+        raise RuntimeError("redis-server is not running")
     meter = CpuMeter(os.getpid(), server.pid, worker.pid)
     try:
         async with AsyncClient(server.url, max_queue_len=0) as client:

@@ -323,6 +323,16 @@ def test_a_sweep_that_finds_entries_no_notice_named_puts_the_stream_back_on_the_
     assert set(fast.chunks[0]) == {keys.wake("c1"), keys.result("r0")}
 
 
+def test_a_stream_followed_again_after_its_notice_waits_for_a_new_one() -> None:
+    keys = Keys("default")
+    reading = _noticed_reader(keys, 1)
+    (follower,) = reading.followers()
+    reading.unfollow(follower)
+    reading.follow(keys.result("r1"), b"0-0", None)  # a new stream, no notice yet: the fast sweep is due again
+    reading.plan(0.02)  # read at once, as every new follower is
+    assert reading.plan(0.03).block_ms == 20
+
+
 def test_entries_read_with_the_notice_that_names_them_keep_the_quiet_sweep() -> None:
     keys = Keys("default")
     reading = _noticed_reader(keys, 1)

@@ -185,7 +185,7 @@ async def test_results_without_notices_arrive_within_the_fast_sweep_every_time(
     await watch.finished()
     assert watch.tokens == list(range(1, 11))
     assert job.finish_reason == "length"
-    assert max(lags) < 0.9, f"lags {lags}"
+    assert max(lags) < 1.5, f"lags {lags}"  # the median catches a 1 s sweep; this, a stall
     assert statistics.median(lags) < 0.25, f"lags {lags}"
 
 
@@ -215,7 +215,7 @@ async def test_entries_a_notice_did_not_name_put_a_noticed_stream_back_on_the_fa
     assert watch.tokens == list(range(1, 12))
     assert noticed_lag < 0.8, f"the noticed event took {noticed_lag:.3f} s"
     assert lags[0] < 2.5, f"the first unnoticed event waited {lags[0]:.3f} s, past the quiet sweep"
-    assert statistics.median(lags[1:]) < 0.25 and max(lags[1:]) < 0.9, f"back on the fast sweep: lags {lags}"
+    assert statistics.median(lags[1:]) < 0.25 and max(lags[1:]) < 1.5, f"back on the fast sweep: lags {lags}"
 
 
 # --- 3. with notices working, an idle client reads rarely ---
@@ -254,6 +254,7 @@ async def test_a_client_whose_notices_work_reads_rarely_while_its_jobs_are_quiet
     twin = make_twin()
     jobs = [await twin.submit(f"job {i}") for i in range(JOBS)]
     watches = [Watch(job) for job in jobs]
+    await asyncio.sleep(0.2)  # every job followed (a sync client's thread too) before the notice comes
     notify = await notify_ids(server)
     assert set(notify) == {job.id for job in jobs} and set(notify.values()) == {twin.client.client_id}
     async with worker_publisher(redis_url) as publisher:
@@ -289,6 +290,7 @@ async def test_control_streams_no_notice_names_are_read_on_the_fast_sweep(
     twin = make_twin()
     jobs = [await twin.submit(f"job {i}") for i in range(JOBS)]
     watches = [Watch(job) for job in jobs]
+    await asyncio.sleep(0.2)
     for job in jobs:
         await emit(server, job.id, tokens(0, [1], "a"))
     await wait_until(lambda: all(len(w.tokens) == 1 for w in watches), 3)
