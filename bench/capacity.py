@@ -52,7 +52,7 @@ from redis.asyncio import Redis
 
 import client
 import worker
-from bench.workload import print_json
+from bench.workload import cpu_s, print_json
 from client import AsyncClient
 from client.connection import open_async
 from client.store import Keys
@@ -115,10 +115,6 @@ class Meter:
         self._stat = Path(f"/proc/{pid}/stat")
         self._started = (0.0, 0.0, 0.0, 0.0)
 
-    def _proc_cpu_s(self) -> float:
-        fields = self._stat.read_text().rsplit(")", 1)[1].split()  # after the name: field 3 (state) is fields[0]
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-
     async def _cpu_s(self) -> tuple[float, float]:
         info = await self._redis.info("cpu")
         process = info["used_cpu_user"] + info["used_cpu_sys"]
@@ -129,11 +125,11 @@ class Meter:
     async def start(self) -> None:
         await self._redis.config_resetstat()
         main, process = await self._cpu_s()
-        self._started = (time.perf_counter(), main, process, self._proc_cpu_s())
+        self._started = (time.perf_counter(), main, process, cpu_s(self._stat))
 
     async def stop(self) -> Usage:
         seconds = time.perf_counter() - self._started[0]
-        (main, process), proc = await self._cpu_s(), self._proc_cpu_s()
+        (main, process), proc = await self._cpu_s(), cpu_s(self._stat)
         stats = await self._redis.info("commandstats")
         net = await self._redis.info("stats")
         names = {key.removeprefix("cmdstat_"): value for key, value in stats.items() if key.startswith("cmdstat_")}

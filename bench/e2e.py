@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from bench.engine import MAX_RUNNING, engine_config, load_busy, run_engine
-from bench.workload import Job, peak_rss_mb, percentile, print_json
+from bench.workload import Job, cpu_s, peak_rss_mb, percentile, print_json
 from client import AsyncClient
 from worker.embedded_redis import RedisServer
 from worker.engine import DEFAULT_MODEL, EngineConfig, LoadOptions
@@ -64,13 +64,6 @@ def start_worker(
     }  # the rest as deployed: the default read block (a wait that any new entry ends) and heartbeat
     args = [str(part) for pair in flags.items() for part in pair]
     return subprocess.Popen([sys.executable, "-m", "worker", *args], stdout=log.open("wb"), stderr=subprocess.STDOUT)
-
-
-def cpu_s(stat: Path) -> float:
-    """User + system CPU seconds from a `/proc` stat file: a process's (its ended threads included) or a thread's."""
-    text = stat.read_text()
-    fields = text[text.rindex(")") + 2 :].split()  # after the name, which may hold spaces
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class CpuMeter:

@@ -1,8 +1,10 @@
-"""The benchmark workload shared by `bench/engine.py` and `bench/e2e.py`, and its models."""
+"""The benchmark workload shared by `bench/engine.py` and `bench/e2e.py`, its models, and the measuring helpers
+the benchmarks share."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import resource
 import tempfile
@@ -56,3 +58,10 @@ def peak_rss_mb() -> float:
 def print_json(figures: dict[str, Any]) -> None:
     """The last line of every benchmark: one JSON object."""
     print(json.dumps(figures, sort_keys=True), flush=True)
+
+
+def cpu_s(stat: Path) -> float:
+    """User + system CPU seconds from a `/proc` stat file: a process's (its ended threads included) or a thread's."""
+    text = stat.read_text()
+    fields = text[text.rindex(")") + 2 :].split()  # after the name, which may hold spaces: field 3 (state) first
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime

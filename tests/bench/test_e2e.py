@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.e2e import CpuMeter, cpu_s
+from bench.e2e import CpuMeter
+from bench.workload import cpu_s
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads /proc (Linux)")
 
