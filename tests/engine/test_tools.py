@@ -1,9 +1,11 @@
 """Tool calls in the engine, on a tiny random model whose chat template renders tools (Hermes style): the calls'
 grammar makes well-formed calls with arguments valid under their schema, whatever the weights, per tool choice;
-a resume in the middle of a call goes on as the uninterrupted run; a template without tools is refused."""
+a resume in the middle of a call goes on as the uninterrupted run; a template without tools is refused. A seeded
+request samples the same tokens alone and in a batch, so the requests of a test run together."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -68,10 +70,11 @@ async def test_required_answers_are_calls_valid_under_their_schemas(
     tool_model_dir: Path, make_engine: Any, parallel: bool
 ) -> None:
     engine = await make_engine(tool_model_dir, max_running=16)
+    requests = [
+        tool_request(f"r{seed}", seed, tool_choice="required", parallel_tool_calls=parallel) for seed in range(8)
+    ]
     ended = 0
-    for seed in range(8):
-        request = tool_request(f"r{seed}", seed, tool_choice="required", parallel_tool_calls=parallel)
-        text, _, finish, syntax = await run(engine, request)
+    for text, _, finish, syntax in await asyncio.gather(*(run(engine, request) for request in requests)):
         content, calls = parsed(text, syntax)
         if finish == Finish.LENGTH:  # cut short inside a call: nothing more to hold it to
             continue
@@ -86,8 +89,8 @@ async def test_required_answers_are_calls_valid_under_their_schemas(
 async def test_a_named_choice_is_one_call_of_that_function(tool_model_dir: Path, make_engine: Any) -> None:
     engine = await make_engine(tool_model_dir)
     named = {"type": "function", "function": {"name": "get_weather"}}
-    for seed in range(4):
-        text, _, finish, syntax = await run(engine, tool_request(f"n{seed}", seed, tool_choice=named))
+    requests = [tool_request(f"n{seed}", seed, tool_choice=named) for seed in range(4)]
+    for text, _, finish, syntax in await asyncio.gather(*(run(engine, request) for request in requests)):
         content, calls = parsed(text, syntax)
         if finish != Finish.LENGTH:
             assert content == "" and [call.name for call in calls] == ["get_weather"]

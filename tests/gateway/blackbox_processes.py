@@ -6,7 +6,6 @@ logs, readiness) and reads only what a user can read: HTTP, `/metrics`, the `llm
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.gateway.batch_support import LLMQ, PYTHON, ROOT, Gateway, Process, Stack, _env, poll, spawn
+from tests.gateway.batch_support import PYTHON, Gateway, Process, Stack, poll, spawn
 from worker.embedded_redis import RedisServer, free_port
 
 
@@ -98,10 +97,6 @@ class Fleet:
     def generations(self) -> float:
         """Requests the worker's engine finished, whatever the reason (`llmq:request_success_total`)."""
         return metric_sum(self.metrics_url, "llmq:request_success_total")
-
-    def llmq(self, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
-        command = [LLMQ, *args, "--url", self.redis_url]
-        return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=_env())
 
     def stop(self) -> None:
         for gateway in self.stack.gateways.values():
