@@ -36,8 +36,11 @@ subset. `bf16_engine_tok_s`, `bf16_lone_decode_ms`, `bf16_ratio_float32` (busy t
 `bf16_matches_generate` (requests of the subset equal to bfloat16 `generate`'s), `bf16_first_diff_mean` (the mean
 first differing token against the float32 engine's outputs; `bf16_subset_first_diff_mean` on the subset alone, and
 `bf16_generate_first_diff_mean` the same for bfloat16 `generate` on that subset: which of the two bfloat16 ways stays
-closer to float32, as neither computes exactly as the other) and `bf16_logprob_diff_mean` (the float32 engine's greedy
-tokens scored by both models, teacher-forced: the mean absolute difference of their log-probabilities per token).
+closer to float32, as neither computes exactly as the other), `bf16_generate_batched_matches` (the subset's requests
+whose bfloat16 `generate` in one padded batch equals its one-at-a-time outputs: how far the reference agrees with
+itself once its rows share a product, float32's `static_matches_sequential`'s bfloat16 twin) and
+`bf16_logprob_diff_mean` (the float32 engine's greedy tokens scored by both models, teacher-forced: the mean absolute
+difference of their log-probabilities per token).
 `lone_bound_ms` (and `bf16_lone_bound_ms`): the bytes of every weight a decode step multiplies, over the read
 bandwidth measured here (`read_gb_s`): what a lone token would cost if reading the weights were all it did.
 
@@ -79,6 +82,7 @@ BFLOAT16_KEYS = (
     "bf16_first_diff_mean",
     "bf16_subset_first_diff_mean",
     "bf16_generate_first_diff_mean",
+    "bf16_generate_batched_matches",
     "bf16_logprob_diff_mean",
     "bf16_lone_bound_ms",
 )
@@ -454,6 +458,7 @@ def bfloat16_figures(
     bf16_s, bf16_out = asyncio.run(run_engine(bf16_model, tokenizer, jobs, config, probe))
     _report("engine bf16", bf16_s, useful)
     _, references = run_sequential(bf16_model, subset)
+    _, batched = run_static(bf16_model, tokenizer, subset, len(subset))  # the reference against itself, batched
     bf16_subset = [bf16_out[job.index] for job in subset]
     float32_subset = [engine_out[job.index] for job in subset]
     return {
@@ -464,6 +469,7 @@ def bfloat16_figures(
         "bf16_first_diff_mean": mean_first_difference(bf16_out, engine_out),
         "bf16_subset_first_diff_mean": mean_first_difference(bf16_subset, float32_subset),
         "bf16_generate_first_diff_mean": mean_first_difference(references, float32_subset),
+        "bf16_generate_batched_matches": sum(out == ref for out, ref in zip(batched, references, strict=True)),
         "bf16_logprob_diff_mean": round(logprob_difference(model, bf16_model, subset, engine_out), 4),
         "bf16_lone_bound_ms": round(weight_bytes(bf16_model) / read_bytes_per_ms(), 2),
     }
@@ -678,7 +684,8 @@ def main(argv: list[str] | None = None) -> None:
             f"/{len(subset)}; against float32: first difference at token {bf16_figures['bf16_first_diff_mean']} on "
             f"average, log-probability difference {bf16_figures['bf16_logprob_diff_mean']} per token; on the "
             f"subset first difference at {bf16_figures['bf16_subset_first_diff_mean']} (bfloat16 generate: "
-            f"{bf16_figures['bf16_generate_first_diff_mean']})"
+            f"{bf16_figures['bf16_generate_first_diff_mean']}); bfloat16 generate in one padded batch equal to "
+            f"itself one at a time {bf16_figures['bf16_generate_batched_matches']}/{len(subset)}"
         )
     print(f"lone bound: {figures['lone_bound_ms']} ms/token (weights over {figures['read_gb_s']} GB/s read)")
     if padding:
