@@ -38,7 +38,7 @@ first differing token against the float32 engine's outputs; `bf16_subset_first_d
 `bf16_generate_first_diff_mean` the same for bfloat16 `generate` on that subset: which of the two bfloat16 ways stays
 closer to float32, as neither computes exactly as the other), `bf16_generate_batched_matches` (the subset's requests
 whose bfloat16 `generate` in one padded batch equals its one-at-a-time outputs: how far the reference agrees with
-itself once its rows share a product, float32's `static_matches_sequential`'s bfloat16 twin) and
+itself once its rows share a product; float32's `static_matches_sequential` is alike, over batches of 32) and
 `bf16_logprob_diff_mean` (the float32 engine's greedy tokens scored by both models, teacher-forced: the mean absolute
 difference of their log-probabilities per token).
 `lone_bound_ms` (and `bf16_lone_bound_ms`): the bytes of every weight a decode step multiplies, over the read

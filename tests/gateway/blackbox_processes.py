@@ -1,7 +1,7 @@
 """One real fleet for the OpenAI-client black-box tests: `python -m worker` on a tiny random model (with its
 Prometheus endpoint on, so generations can be counted from outside), `python -m gateway` processes started and
 restarted with the user's flags, on the session's redis-server. It builds on `batch_support` (process spawning,
-logs, readiness) and reads only what a user can read: HTTP, `/metrics`, the `llmq` command.
+logs, readiness) and reads only what a user can read: HTTP and `/metrics`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Written from the issue and the user docs (docs/gateway.md, docs/batch-api.md, do
 not from the implementation. What is counted is counted from outside: generations through the worker's
 `/metrics` (`llmq:request_success_total`), attempts through the gateway's (`llmq:gateway_requests_total`), a
 running request's id through the documented key layout (`{llmq:<queue>}:result:<id>`), and cancels through the
-`llmq cancel` command. The SDK keeps its default retries (two) wherever a retry is what is under test.
+client library's `Job.cancel`. The SDK keeps its default retries (two) wherever a retry is what is under test.
 """
 
 from __future__ import annotations
