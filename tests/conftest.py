@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -7,6 +8,14 @@ import pytest
 
 from testing.redis_topologies import RedisClusterSet, SentinelSet
 from worker.embedded_redis import RedisServer
+
+# `make test` runs up to three test processes on two cores, each with engines (in-process or worker processes it
+# starts) of two OpenMP threads. libgomp's default wait spins at every barrier, burning the CPU the other processes
+# need: tests/engine's Redis/engine tests took 4:30 that way and 2:20 with passive waits (same machine, back to
+# back, outputs unchanged: the wait policy changes no sum's order). A worker in production owns its cores and keeps
+# the default. Set here, before any test imports torch (libgomp reads it once, as it loads); the test processes and
+# every process they start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Tiers follow from what a test uses, so no file has to remember its marker: `make test-fast` runs `unit`.
 _REDIS_FIXTURES = {"redis_server", "redis_cluster", "sentinel_set"}  # real redis-server processes
