@@ -14,7 +14,7 @@ from worker.embedded_redis import RedisServer
 # need: tests/engine's Redis/engine tests took 4:30 that way and 2:20 with passive waits (same machine, back to
 # back, outputs unchanged: the wait policy changes no sum's order). A worker in production owns its cores and keeps
 # the default. Set here, before any test imports torch (libgomp reads it once, as it loads); the test processes and
-# every process they start inherit it.
+# the processes they start with the inherited environment (all but a few deploy tests' own) get it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Tiers follow from what a test uses, so no file has to remember its marker: `make test-fast` runs `unit`.
