@@ -499,7 +499,10 @@ class RedisClusterSet(_NodeSet):
             slot = next(info.slots[0][0] for info in self.view() if info.port == old_master.port and info.slots)
 
         def promoted() -> RedisNode:
-            owner = self.master_for_slot(slot)
+            try:
+                owner = self.master_for_slot(slot)
+            except LookupError as exc:  # mid-failover, a node's view can list the slot under no master yet
+                raise NotYet(str(exc)) from exc
             if owner is old_master or not owner.alive:
                 raise NotYet(f"slot {slot} still on {old_master!r}")
             self._healthy()
