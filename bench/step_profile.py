@@ -30,7 +30,8 @@ from worker.engine.loader import DEFAULT_MODEL, LoadOptions, load_model
 KERNEL_RANGE = "llmq::paged_decode"  # the native kernels are no torch ops: timed as ranges of these names
 NORM_RANGE = "llmq::rms_norm"  # counted in "other", with the norms torch runs where the native one is not used
 FEW_ROWS_RANGE = "llmq::few_rows"
-LAYER_RANGES = ("llmq::attention_in", "llmq::attention_out")  # the native decoder-layer halves (few-row float32)
+# The native decoder layer (few-row float32, bfloat16): its halves around the attention, or a whole decode layer.
+LAYER_RANGES = ("llmq::attention_in", "llmq::attention_out", "llmq::decoder_layer")
 FAMILIES = {
     "matmul": (
         "aten::addmm",
@@ -84,9 +85,11 @@ def _record_kernel_calls() -> None:
     ranges = ((cpu_kernels.PagedDecode, KERNEL_RANGE), (cpu_kernels.RmsNorm, NORM_RANGE))
     for kernel, name in (*ranges, (cpu_kernels.FewRows, FEW_ROWS_RANGE)):
         kernel.__call__ = _recorded(kernel.__call__, name)  # type: ignore[method-assign]
+    # the lean layers call a layer's bound halves and `decode_step`, not `DecoderLayer.attention_in` / `_out`
+    cpu_kernels.AttentionIn.__call__ = _recorded(cpu_kernels.AttentionIn.__call__, LAYER_RANGES[0])  # type: ignore[method-assign]
+    cpu_kernels.AttentionOut.__call__ = _recorded(cpu_kernels.AttentionOut.__call__, LAYER_RANGES[1])  # type: ignore[method-assign]
     layer = cpu_kernels.DecoderLayer
-    layer.attention_in = _recorded(layer.attention_in, LAYER_RANGES[0])  # type: ignore[method-assign]
-    layer.attention_out = _recorded(layer.attention_out, LAYER_RANGES[1])  # type: ignore[method-assign]
+    layer.decode_step = _recorded(layer.decode_step, LAYER_RANGES[2])  # type: ignore[method-assign]
 
 
 def _recorded(call: Any, name: str) -> Any:
