@@ -51,6 +51,10 @@ class NotYet(Exception):
     """Raised by a `wait_until` check to say why the state is not reached yet (shown if the wait times out)."""
 
 
+class NoSlotOwner(LookupError):
+    """No master owns the slot in the view read: the slot is unserved, or a failover is under way."""
+
+
 def wait_until(check: Callable[[], T | None], *, timeout: float, what: str, nodes: Iterable[RedisNode] = ()) -> T:
     """Poll `check` until it returns something other than None; NotYet, Redis and socket errors mean "not yet"."""
     deadline = time.monotonic() + timeout
@@ -430,7 +434,7 @@ class RedisClusterSet(_NodeSet):
                     return self.view(candidate)
                 except RedisError:
                     continue
-        raise RuntimeError("no cluster node is answering")
+        raise redis.ConnectionError("no cluster node is answering")  # a RedisError: a wait polling a view retries it
 
     def wait_healthy(self, timeout: float = 15) -> None:
         """Until every running node says cluster_state:ok, agrees on who is master and every replica's link is up."""
@@ -464,7 +468,7 @@ class RedisClusterSet(_NodeSet):
         for info in self.view():
             if info.is_master and info.owns(slot):
                 return self.node_at(info.port)
-        raise LookupError(f"no master owns slot {slot}")
+        raise NoSlotOwner(f"no master owns slot {slot}")
 
     def master_for_key(self, key: str | bytes) -> RedisNode:
         return self.master_for_slot(key_slot(key.encode() if isinstance(key, str) else key))
@@ -501,7 +505,7 @@ class RedisClusterSet(_NodeSet):
         def promoted() -> RedisNode:
             try:
                 owner = self.master_for_slot(slot)
-            except LookupError as exc:  # mid-failover, a node's view can list the slot under no master yet
+            except NoSlotOwner as exc:  # mid-failover, a node's view can list the slot under no master yet
                 raise NotYet(str(exc)) from exc
             if owner is old_master or not owner.alive:
                 raise NotYet(f"slot {slot} still on {old_master!r}")

@@ -14,7 +14,7 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel
 
 from client.store import Keys
-from testing.redis_topologies import HOST, RedisClusterSet, SentinelSet
+from testing.redis_topologies import HOST, NoSlotOwner, RedisClusterSet, RedisNode, SentinelSet
 
 pytestmark = pytest.mark.redis
 
@@ -78,6 +78,28 @@ def test_cluster_promotes_a_replica_after_kill_9_of_its_master(redis_cluster: Re
     cluster.restart(old)
     assert cluster.replicas_of(new) == [old]
     assert old.client().info("replication")["master_port"] == new.port
+
+
+def test_waiting_for_a_promotion_rides_out_a_view_where_no_master_owns_the_slot(
+    redis_cluster: RedisClusterSet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mid-failover, a node's CLUSTER NODES can list the killed master's slot under no master (a CI run under load
+    saw `no master owns slot`): the wait takes it as "not yet" and goes on to the promotion."""
+    cluster = redis_cluster
+    old = cluster.masters()[1]
+    (replica,) = cluster.replicas_of(old)
+    cluster.kill_master(old)
+    owner_of = RedisClusterSet.master_for_slot
+    ownerless_views = iter(range(3))
+
+    def first_views_ownerless(self: RedisClusterSet, slot: int) -> RedisNode:
+        if next(ownerless_views, None) is not None:
+            raise NoSlotOwner(f"no master owns slot {slot}")
+        return owner_of(self, slot)
+
+    monkeypatch.setattr(RedisClusterSet, "master_for_slot", first_views_ownerless)
+    assert cluster.wait_for_promotion(old, timeout=15) is replica
+    assert next(ownerless_views, None) is None  # every ownerless view was seen, and waited out
 
 
 def test_sentinel_master_can_be_written(sentinels: SentinelSet) -> None:
