@@ -83,11 +83,10 @@ FAMILIES = {
 def _record_kernel_calls() -> None:
     """Makes the native kernels' calls show in the profile, as ranges (ctypes calls are invisible to it)."""
     ranges = ((cpu_kernels.PagedDecode, KERNEL_RANGE), (cpu_kernels.RmsNorm, NORM_RANGE))
-    for kernel, name in (*ranges, (cpu_kernels.FewRows, FEW_ROWS_RANGE)):
-        kernel.__call__ = _recorded(kernel.__call__, name)  # type: ignore[method-assign]
     # the lean layers call a layer's bound halves and `decode_step`, not `DecoderLayer.attention_in` / `_out`
-    cpu_kernels.AttentionIn.__call__ = _recorded(cpu_kernels.AttentionIn.__call__, LAYER_RANGES[0])  # type: ignore[method-assign]
-    cpu_kernels.AttentionOut.__call__ = _recorded(cpu_kernels.AttentionOut.__call__, LAYER_RANGES[1])  # type: ignore[method-assign]
+    halves = ((cpu_kernels.AttentionIn, LAYER_RANGES[0]), (cpu_kernels.AttentionOut, LAYER_RANGES[1]))
+    for kernel, name in (*ranges, (cpu_kernels.FewRows, FEW_ROWS_RANGE), *halves):
+        kernel.__call__ = _recorded(kernel.__call__, name)  # type: ignore[method-assign]
     layer = cpu_kernels.DecoderLayer
     layer.decode_step = _recorded(layer.decode_step, LAYER_RANGES[2])  # type: ignore[method-assign]
 
