@@ -10,6 +10,7 @@ import torch
 
 from bench import step_profile
 from testing.tiny_models import save_tiny_model
+from worker.engine import prepack
 from worker.engine.kernels import cpu_kernels
 from worker.engine.loader import LoadOptions, load_model
 
@@ -43,6 +44,8 @@ async def test_a_lone_few_row_step_shows_one_native_layer_call_per_layer(
     step_profile._record_kernel_calls()
     folder = save_tiny_model(tmp_path / "model", "llama")
     model, tokenizer = load_model(str(folder), LoadOptions(cache_dir=folder / "cache", float32_few_rows=True))
+    if not prepack.available() or cpu_kernels.decoder_layer(model.config.hidden_size, torch.float32) is None:
+        pytest.skip("no native float32 decoder layer here (oneDNN packing, the layer's build or its RMSNorm's bits)")
 
     figures = await step_profile.profile(model, tokenizer, rows=1, steps=5, prompt=16)
 
