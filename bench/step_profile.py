@@ -80,15 +80,22 @@ FAMILIES = {
 }
 
 
+# The native calls a step makes, each timed as its range: (class, method, range). The lean layers call a layer's bound
+# halves and `decode_step`, not `DecoderLayer.attention_in` / `_out`.
+RECORDED = (
+    (cpu_kernels.PagedDecode, "__call__", KERNEL_RANGE),
+    (cpu_kernels.RmsNorm, "__call__", NORM_RANGE),
+    (cpu_kernels.FewRows, "__call__", FEW_ROWS_RANGE),
+    (cpu_kernels.AttentionIn, "__call__", LAYER_RANGES[0]),
+    (cpu_kernels.AttentionOut, "__call__", LAYER_RANGES[1]),
+    (cpu_kernels.DecoderLayer, "decode_step", LAYER_RANGES[2]),
+)
+
+
 def _record_kernel_calls() -> None:
     """Makes the native kernels' calls show in the profile, as ranges (ctypes calls are invisible to it)."""
-    ranges = ((cpu_kernels.PagedDecode, KERNEL_RANGE), (cpu_kernels.RmsNorm, NORM_RANGE))
-    # the lean layers call a layer's bound halves and `decode_step`, not `DecoderLayer.attention_in` / `_out`
-    halves = ((cpu_kernels.AttentionIn, LAYER_RANGES[0]), (cpu_kernels.AttentionOut, LAYER_RANGES[1]))
-    for kernel, name in (*ranges, (cpu_kernels.FewRows, FEW_ROWS_RANGE), *halves):
-        kernel.__call__ = _recorded(kernel.__call__, name)  # type: ignore[method-assign]
-    layer = cpu_kernels.DecoderLayer
-    layer.decode_step = _recorded(layer.decode_step, LAYER_RANGES[2])  # type: ignore[method-assign]
+    for owner, method, name in RECORDED:
+        setattr(owner, method, _recorded(getattr(owner, method), name))
 
 
 def _recorded(call: Any, name: str) -> Any:

@@ -14,15 +14,6 @@ from worker.engine import prepack
 from worker.engine.kernels import cpu_kernels
 from worker.engine.loader import LoadOptions, load_model
 
-WRAPPED = (
-    (cpu_kernels.PagedDecode, "__call__"),
-    (cpu_kernels.RmsNorm, "__call__"),
-    (cpu_kernels.FewRows, "__call__"),
-    (cpu_kernels.AttentionIn, "__call__"),
-    (cpu_kernels.AttentionOut, "__call__"),
-    (cpu_kernels.DecoderLayer, "decode_step"),
-)
-
 pytestmark = pytest.mark.model  # builds a model and runs an engine in its body
 
 
@@ -39,8 +30,8 @@ async def test_a_lone_few_row_step_shows_one_native_layer_call_per_layer(
     output head in one few-row product: the profile counts both, where it once counted neither."""
     if cpu_kernels.few_rows(torch.float32) is None:
         pytest.skip("no float32 few-row kernel on this machine (AVX2 and FMA, or AVX-512, and a C compiler)")
-    for owner, name in WRAPPED:  # the profile wraps these methods on their classes: restored after the test
-        monkeypatch.setattr(owner, name, getattr(owner, name))
+    for owner, method, _ in step_profile.RECORDED:  # the profile wraps these on their classes: restored after
+        monkeypatch.setattr(owner, method, getattr(owner, method))
     step_profile._record_kernel_calls()
     folder = save_tiny_model(tmp_path / "model", "llama")
     model, tokenizer = load_model(str(folder), LoadOptions(cache_dir=folder / "cache", float32_few_rows=True))
