@@ -117,6 +117,6 @@ def test_a_kernel_is_rebuilt_when_a_source_it_includes_changes(tmp_path: Path, m
     first = cpu_kernels._built(layer, declared, cpu_kernels.EXACT_FLAGS)
     assert cpu_kernels._built(layer, declared, cpu_kernels.EXACT_FLAGS) == first
     included = sources / "few_rows_float32.c"
-    included.write_text(included.read_text().replace("#define ROWS 4", "#define ROWS 2"))
+    included.write_text(included.read_text().replace("#define OUTPUTS 4", "#define OUTPUTS 2"))
     second = cpu_kernels._built(layer, declared, cpu_kernels.EXACT_FLAGS)
     assert second != first and second.exists()

@@ -36,9 +36,10 @@ static inline uint16_t float_to_bf16(float value)
 }
 
 /* out[r][o] for o in [first, first + outputs) and r in [row, row + rows): one pass over those weight rows. */
-static inline void block(const uint16_t *restrict x, const uint16_t *restrict weight, const uint16_t *restrict bias,
-                         uint16_t *restrict out, int64_t row, int rows, int64_t first, int outputs,
-                         int64_t in_features, int64_t out_features)
+static inline __attribute__((always_inline)) void block_of(const uint16_t *restrict x, const uint16_t *restrict weight,
+                                                           const uint16_t *restrict bias, uint16_t *restrict out,
+                                                           int64_t row, int rows, int64_t first, int outputs,
+                                                           int64_t in_features, int64_t out_features)
 {
     __m512 sums[OUTPUTS][ROWS];
     for (int o = 0; o < OUTPUTS; o++)
@@ -64,6 +65,9 @@ static inline void block(const uint16_t *restrict x, const uint16_t *restrict we
             out[(row + r) * out_features + first + o] = float_to_bf16(_mm512_reduce_add_ps(sums[o][r]) + shift);
     }
 }
+
+typedef uint16_t element;
+#include "block_rows.h"
 
 /* out: [rows, out_features] = x: [rows, in_features] @ weight: [out_features, in_features]^T (+ bias, or null), all
  * bfloat16 and contiguous. Output columns are shared out among the threads. */

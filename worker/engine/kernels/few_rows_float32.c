@@ -43,14 +43,16 @@ static inline float vec_sum(vec v)
 
 /* Output columns per pass over the input (their weight rows stream side by side) and input rows per pass. With
  * AVX2's 16 vector registers the 16 sums spill a little, yet measured on SmolLM2's products (AVX2 EPYC, 2 threads)
- * 4 x 4 beat 4 x 2, 4 x 3, 2 x 4, 3 x 4 and 8 x 1 at 4 rows by 10-25 % and was within 5 % of the best at 1 and 2. */
+ * 4 x 4 beat 4 x 2, 4 x 3, 2 x 4, 3 x 4 and 8 x 1 at 4 rows by 10-25 % and was within 5 % of the best at 1 and 2;
+ * with the sums in registers (`block`), 2 and 8 columns were no faster than 4 at 1-8 rows (Zen 5, `bench.few_rows`). */
 #define OUTPUTS 4
 #define ROWS 4
 
 /* out[r][o] for o in [first, first + outputs) and r in [row, row + rows): one pass over those weight rows. */
-static inline void block(const float *restrict x, const float *restrict weight, const float *restrict bias,
-                         float *restrict out, int64_t row, int rows, int64_t first, int outputs, int64_t in_features,
-                         int64_t out_stride)
+static inline __attribute__((always_inline)) void block_of(const float *restrict x, const float *restrict weight,
+                                                           const float *restrict bias, float *restrict out,
+                                                           int64_t row, int rows, int64_t first, int outputs,
+                                                           int64_t in_features, int64_t out_stride)
 {
     vec sums[OUTPUTS][ROWS];
     for (int o = 0; o < OUTPUTS; o++)
@@ -80,6 +82,9 @@ static inline void block(const float *restrict x, const float *restrict weight, 
         }
     }
 }
+
+typedef float element;
+#include "block_rows.h"
 
 /* out: rows of `out_stride` floats, of which the first out_features are written, = x: [rows, in_features] @
  * weight: [out_features, in_features]^T (+ bias, or null); x, weight and bias contiguous. `out_stride` above
