@@ -48,9 +48,10 @@ TINY = Shapes(2, ((64, 128), (64, 64), (64, 256), (128, 64)), (64, 512))
 
 
 def weights_of(shapes: Shapes, dtype: torch.dtype) -> list[torch.Tensor]:
-    torch.manual_seed(0)
+    """Random weights of every product of a token, layer by layer, then the head's: the same ones in every run."""
+    generator = torch.Generator().manual_seed(0)
     sizes = [*(shape for _ in range(shapes.layers) for shape in shapes.products), shapes.head]
-    return [torch.randn(out_features, in_features).to(dtype) for in_features, out_features in sizes]
+    return [torch.randn(out, width, generator=generator).to(dtype) for width, out in sizes]
 
 
 def onednn(dtype: torch.dtype, weights: list[torch.Tensor]) -> tuple[Product, list[torch.Tensor]]:
@@ -68,26 +69,22 @@ def onednn(dtype: torch.dtype, weights: list[torch.Tensor]) -> tuple[Product, li
 
 
 def kernel_from(source: Path, dtype: torch.dtype) -> cpu_kernels.FewRows:
-    """The few-row kernel built from `source`, beside the shipped kernels' headers (it includes them)."""
-    folder = Path(tempfile.mkdtemp(prefix="llmq-few-rows-"))
-    for header in cpu_kernels.FEW_ROWS_SOURCE.parent.glob("*.h"):
-        shutil.copy(header, folder)
+    """The few-row kernel built from `source`, copied beside the shipped kernels' headers (it includes them); the
+    build lands in the kernel cache, so the copy can go once it is loaded."""
     shipped = cpu_kernels.FEW_ROWS_SOURCE if dtype == torch.bfloat16 else cpu_kernels.FEW_ROWS_FLOAT32_SOURCE
-    copy = folder / shipped.name
-    shutil.copy(source, copy)
-    name = "FEW_ROWS_SOURCE" if dtype == torch.bfloat16 else "FEW_ROWS_FLOAT32_SOURCE"
-    saved = getattr(cpu_kernels, name)
-    setattr(cpu_kernels, name, copy)
-    try:
-        built = cpu_kernels.few_rows.__wrapped__(dtype)
-    finally:
-        setattr(cpu_kernels, name, saved)
+    with tempfile.TemporaryDirectory(prefix="llmq-few-rows-") as folder:
+        for header in shipped.parent.glob("*.h"):
+            shutil.copy(header, folder)
+        copy = Path(folder) / shipped.name
+        shutil.copy(source, copy)
+        built = cpu_kernels.few_rows(dtype, copy)
     if built is None:
         raise SystemExit(f"{source} did not build (the warning above says why)")
     return built
 
 
 def pass_ms(product: Product, inputs: dict[int, torch.Tensor], weights: list[torch.Tensor]) -> float:
+    """Ms for one product of every weight, each by the rows of its input width."""
     start = time.perf_counter()
     for weight in weights:
         product(inputs[weight.shape[1]], weight)
@@ -110,13 +107,20 @@ def measure(
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+ODD_SHAPES = ((33, 7), (7, 3), (100, 65))  # (in, out): a last narrower column block, inputs off the vector width
+
+
 def equal_bits(first: cpu_kernels.FewRows, second: cpu_kernels.FewRows, weights: list[torch.Tensor]) -> bool:
-    widths = {weight.shape[1] for weight in weights}
-    for rows in (1, 3, prepack.FEW_ROWS):
-        inputs = {width: torch.randn(rows, width).to(first.dtype) for width in widths}
-        for weight in weights:
-            x = inputs[weight.shape[1]]
-            if not torch.equal(first(x, weight, None), second(x, weight, None)):
+    """Whether both kernels give the same bits: on `weights`, and on odd shapes with a bias, at 1 to `FEW_ROWS` rows
+    (a full pass of rows, a shorter last one)."""
+    generator = torch.Generator().manual_seed(1)
+    odd = [torch.randn(out, width, generator=generator).to(first.dtype) for width, out in ODD_SHAPES]
+    biases = {id(weight): torch.randn(weight.shape[0], generator=generator).to(first.dtype) for weight in odd}
+    for rows in range(1, prepack.FEW_ROWS + 1):
+        for weight in [*weights, *odd]:
+            x = torch.randn(rows, weight.shape[1], generator=generator).to(first.dtype)
+            bias = biases.get(id(weight))
+            if not torch.equal(first(x, weight, bias), second(x, weight, bias)):
                 return False
     return True
 

@@ -19,8 +19,16 @@ from tests.engine.test_engine import collect, greedy, mixed_prompts, tokens_of
 from worker.engine.kernels import cpu_kernels
 from worker.engine.kernels.cpu_kernels import FewRows, PagedDecode
 from worker.engine.loader import LoadOptions, load_model
-from worker.engine.prepack import FEW_ROWS, PackedLinear, prepack
+from worker.engine.prepack import (
+    FEW_ROWS,
+    FEW_ROWS_BFLOAT16_WITHOUT_AMX,
+    PackedLinear,
+    few_rows_limit,
+    prepack,
+)
 from worker.engine.types import EngineRequest
+
+BFLOAT16_FEW_ROWS = few_rows_limit(torch.bfloat16)  # 6 with AMX, 32 without
 
 native = pytest.mark.skipif(
     not cpu_kernels.native_bfloat16(), reason="this CPU has no native bfloat16 products (AVX-512 BF16)"
@@ -49,12 +57,27 @@ def test_few_rows_is_the_product_rounded_once(
     torch.manual_seed(in_features + out_features)
     weight = torch.randn(out_features, in_features).bfloat16()
     bias = torch.randn(out_features).bfloat16() if biased else None
-    for rows in range(1, FEW_ROWS + 1):
+    for rows in range(1, BFLOAT16_FEW_ROWS + 1):
         x = torch.randn(rows, in_features).bfloat16()
         exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
         out = few_rows(x, weight, bias)
         assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
         torch.testing.assert_close(out.double(), exact, rtol=2**-7, atol=1e-3 * in_features**0.5)
+
+
+def test_bfloat16_takes_the_few_row_kernel_further_on_a_cpu_without_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN's bfloat16 products run on AMX tiles where the CPU has them (the kernel leads only for a few rows) and
+    on the kernel's own AVX-512 BF16 dot products where it has not (the kernel led to 32 rows and more); float32's
+    limit is the same on either."""
+    try:
+        for has_amx, expected in ((True, FEW_ROWS), (False, FEW_ROWS_BFLOAT16_WITHOUT_AMX)):
+            monkeypatch.setattr(cpu_kernels, "amx", lambda has_amx=has_amx: has_amx)
+            few_rows_limit.cache_clear()
+            assert few_rows_limit(torch.bfloat16) == expected
+            assert few_rows_limit(torch.float32) == FEW_ROWS
+    finally:
+        monkeypatch.undo()
+        few_rows_limit.cache_clear()
 
 
 @native
@@ -63,9 +86,9 @@ def test_few_rows_gives_a_row_the_same_bits_in_any_batch(few_rows: FewRows) -> N
     the other rows batched with it (oneDNN's bfloat16 kernels change with the row count)."""
     torch.manual_seed(0)
     weight = torch.randn(3072, 576).bfloat16()
-    x = torch.randn(FEW_ROWS, 576).bfloat16()
+    x = torch.randn(BFLOAT16_FEW_ROWS, 576).bfloat16()
     batched = few_rows(x, weight, None)
-    for row in range(FEW_ROWS):
+    for row in range(BFLOAT16_FEW_ROWS):
         assert torch.equal(few_rows(x[row : row + 1].contiguous(), weight, None)[0], batched[row])
 
 
@@ -88,7 +111,7 @@ def test_a_bfloat16_linear_is_packed_and_serves_every_row_count() -> None:
     model = nn.Sequential(nn.Linear(96, 40, bias=True)).to(torch.bfloat16)
     assert prepack(model) == 1 and type(model[0]) is PackedLinear
     with torch.no_grad():
-        for rows in (1, FEW_ROWS, FEW_ROWS + 1, 17, 100):
+        for rows in (1, BFLOAT16_FEW_ROWS, BFLOAT16_FEW_ROWS + 1, 17, 100):
             x = torch.randn(rows, 96).bfloat16()
             expected = functional.linear(x.float(), model[0].weight.float(), model[0].bias.float())
             torch.testing.assert_close(model(x).float(), expected, rtol=2**-7, atol=2e-2)

@@ -5,8 +5,8 @@ The contract under test:
 - `cpu_kernels.few_rows()` gives `FewRows(x, weight, bias)`: `x @ weight.T + bias` for contiguous bfloat16 CPU
   tensors, bfloat16 `[rows, out]`, summed in float32 and rounded once; a row's output does not depend on the other
   rows of the call; anything else is refused with ValueError.
-- `prepack` wraps bfloat16 linears as `PackedLinear`: up to `FEW_ROWS` rows through the few-row kernel, more through
-  oneDNN at `row_bucket` rows.
+- `prepack` wraps bfloat16 linears as `PackedLinear`: up to `few_rows_limit(torch.bfloat16)` rows (6 on a CPU with
+  AMX, 32 without) through the few-row kernel, more through oneDNN at `row_bucket` rows.
 - `cpu_kernels.load(torch.bfloat16)` is the paged decode kernel over a bfloat16 cache (float32 query and out), the
   float32 attention over the widened cache; `load(torch.float16)` is None.
 - The loader loads bfloat16 where the CPU multiplies it natively, else float32 with exactly one warning.
@@ -37,8 +37,10 @@ from tests.polling import wait_until
 from worker.engine.kernels import cpu_kernels
 from worker.engine.kernels.cpu_kernels import DecodeRows, FewRows, PagedDecode
 from worker.engine.loader import LoadOptions, load_model
-from worker.engine.prepack import FEW_ROWS, PackedLinear, prepack, row_bucket
+from worker.engine.prepack import PackedLinear, few_rows_limit, prepack, row_bucket
 from worker.engine.types import EngineRequest, Finish, GenerationParams
+
+BFLOAT16_FEW_ROWS = few_rows_limit(torch.bfloat16)  # 6 with AMX, 32 without
 
 NATIVE = cpu_kernels.native_bfloat16()
 native = pytest.mark.skipif(not NATIVE, reason="this CPU has no native bfloat16 products (AVX-512 BF16)")
@@ -103,7 +105,7 @@ def test_few_rows_matches_the_exact_product_at_odd_widths(
     generator = torch.Generator().manual_seed(in_features * 100 + out_features)
     weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
     bias = (torch.randn(out_features, generator=generator) * 3).bfloat16() if biased else None
-    for rows in range(1, FEW_ROWS + 3):
+    for rows in range(1, BFLOAT16_FEW_ROWS + 3):
         x = torch.randn(rows, in_features, generator=generator).bfloat16()
         out = few_rows(x, weight, bias)
         assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features) and out.is_contiguous()
@@ -118,7 +120,7 @@ def test_few_rows_is_exact_where_float32_sums_are(few_rows: FewRows) -> None:
     for in_features, out_features in ((37, 6), (64, 9), (1, 1), (129, 4)):
         weight = torch.randint(-3, 4, (out_features, in_features), generator=generator).bfloat16()
         bias = torch.randint(-8, 9, (out_features,), generator=generator).bfloat16()
-        for rows in (1, 4, 5, FEW_ROWS):
+        for rows in (1, 4, 5, BFLOAT16_FEW_ROWS):
             x = torch.randint(-1, 2, (rows, in_features), generator=generator).bfloat16()
             expected = exact_product(x, weight, bias)
             assert bool((expected.abs() <= 256).all())  # exactly representable in bfloat16
@@ -131,11 +133,11 @@ def test_few_rows_is_exact_where_float32_sums_are(few_rows: FewRows) -> None:
 def test_few_rows_gives_each_row_the_same_bits_whatever_else_is_in_the_call(
     few_rows: FewRows, in_features: int, out_features: int
 ) -> None:
-    """A row alone, in any batch of 1..FEW_ROWS+2 rows, in any position: the same bits."""
+    """A row alone, in any batch of 1..BFLOAT16_FEW_ROWS+2 rows, in any position: the same bits."""
     generator = torch.Generator().manual_seed(in_features + out_features)
     weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
     bias = torch.randn(out_features, generator=generator).bfloat16()
-    pool = torch.randn(FEW_ROWS + 2, in_features, generator=generator).bfloat16()
+    pool = torch.randn(BFLOAT16_FEW_ROWS + 2, in_features, generator=generator).bfloat16()
     alone = torch.stack([few_rows(pool[i : i + 1].contiguous(), weight, bias)[0] for i in range(pool.shape[0])])
     rng = random.Random(in_features)
     for count in range(1, pool.shape[0] + 1):
@@ -213,8 +215,8 @@ def test_few_rows_refuses_what_it_cannot_read(few_rows: FewRows) -> None:
 
 @native
 def test_a_packed_bfloat16_linear_routes_rows_as_documented() -> None:
-    """Up to FEW_ROWS rows: the few-row kernel's bits; more: oneDNN's product at `row_bucket` rows, its extra rows
-    dropped. Any leading shape; tied layers stay one module; a weight changed in place is used at once."""
+    """Up to `few_rows_limit` rows: the few-row kernel's bits; more: oneDNN's product at `row_bucket` rows, its extra
+    rows dropped. Any leading shape; tied layers stay one module; a weight changed in place is used at once."""
     torch.manual_seed(3)
     shared = nn.Linear(45, 7, bias=True)
     model = nn.Sequential(nn.Sequential(shared, nn.ReLU()), nn.Linear(7, 45, bias=False), nn.Sequential(shared)).to(
@@ -227,13 +229,13 @@ def test_a_packed_bfloat16_linear_routes_rows_as_documented() -> None:
     assert kernel is not None
     weight, bias = first.weight.detach(), first.bias.detach()
     with torch.no_grad():
-        for rows in (0, 1, 2, FEW_ROWS, FEW_ROWS + 1, 9, 17, 33, 100):
+        for rows in (0, 1, 2, BFLOAT16_FEW_ROWS, BFLOAT16_FEW_ROWS + 1, 9, 17, 33, 100):
             x = torch.randn(rows, 45).bfloat16()
             out = first(x)
             assert out.shape == (rows, 7) and out.dtype == torch.bfloat16
             if rows == 0:
                 continue
-            if rows <= FEW_ROWS:
+            if rows <= BFLOAT16_FEW_ROWS:
                 expected = kernel(x, weight, bias)
             else:
                 padded = functional.pad(x, (0, 0, 0, row_bucket(rows) - rows))

@@ -363,3 +363,25 @@ async def test_a_bfloat16_engine_runs_it_for_a_few_rows_beside_the_torch_ops(
     for (tokens, logprobs), (expected_tokens, expected_logprobs) in zip(native, torch_ops, strict=True):
         assert tokens == expected_tokens
         torch.testing.assert_close(logprobs, expected_logprobs, rtol=0, atol=0.05)
+
+
+@native_bfloat16
+@pytest.mark.parametrize("limit", [6, 16])
+async def test_a_bfloat16_engine_runs_the_native_layer_up_to_its_row_limit(
+    tiny_model_dir: Path, make_engine: Any, monkeypatch: pytest.MonkeyPatch, limit: int
+) -> None:
+    """Ten requests decoding together: their steps of decode rows run the whole layer in one call up to the limit
+    (`few_rows_limit`: 32 rows for bfloat16 on a CPU without AMX, 6 with it), above it the torch ops; every request
+    gets all its tokens either way."""
+    monkeypatch.setattr(lean_layers, "few_rows_limit", lambda dtype: limit)
+    calls = _record_whole_layers(monkeypatch)
+    model, tokenizer = load_model(str(tiny_model_dir), LoadOptions(dtype="bfloat16", cache_dir=tiny_model_dir / "c"))
+    engine = await make_engine(tiny_model_dir, model=model, tokenizer=tokenizer)
+    streams = [
+        engine.submit(EngineRequest(f"r{index}", input_ids=[5 + index, 9, 11], params=greedy(8, ignore_eos=True)))
+        for index in range(10)
+    ]
+    for stream in streams:
+        assert len(tokens_of(await collect(stream))) == 8
+    assert max(calls, default=0) <= limit
+    assert (max(calls, default=0) == 10) == (limit >= 10)  # ten decode rows in one call only where the limit allows

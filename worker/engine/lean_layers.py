@@ -13,9 +13,10 @@ installed here computes the same thing in ~40 ops and no module calls:
   (the same products and sums, so the same bits), on q and k together, with `cos` / `signed_sin` made once per
   step for every layer;
 - SiLU, the gating product and both residual adds in place.
-Steps of up to `FEW_ROWS` rows go further where the few-row kernel serves the products (bfloat16, or float32 when
-asked for): the layer runs in native code (`kernels/decoder_layer.c`), in one call for a step of decode rows only
-(the cache write and the decode attention inside), else in two around the attention.
+Steps of up to `few_rows_limit` rows (`prepack.py`: 6, or 32 for bfloat16 on a CPU without AMX) go further where the
+few-row kernel serves the products (bfloat16, or float32 when asked for): the layer runs in native code
+(`kernels/decoder_layer.c`), in one call for a step of decode rows only (the cache write and the decode attention
+inside), else in two around the attention.
 It serves only the engine's continuous-batching steps (a `read_index` in the step's arguments) with our attention
 function; anything else (`generate`, training, another attention) runs the library's layer unchanged.
 """
@@ -31,7 +32,7 @@ from torch.nn import functional
 from worker.engine.attention import ATTENTION_NAME, varlen_sdpa_forward
 from worker.engine.kernels import cpu_kernels
 from worker.engine.paged_reads import decode_step
-from worker.engine.prepack import FEW_ROWS, PackedLinear, StackedLinears, packed_product
+from worker.engine.prepack import PackedLinear, StackedLinears, few_rows_limit, packed_product
 
 # Decoder layers whose forward this reproduces (checked against the library's, bitwise, in tests), by model type.
 SUPPORTED_LAYERS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "qwen2": "Qwen2DecoderLayer"}
@@ -137,7 +138,7 @@ def _lean_forward(layer: Any, library_forward: Any, rotary: RotaryTables) -> Any
         rotary.update(position_embeddings)
         residual = hidden_states[0]  # [tokens, hidden]
         tokens = residual.shape[0]
-        in_one_call = native if tokens <= FEW_ROWS else None
+        in_one_call = native if tokens <= few_rows_limit(residual.dtype) else None
         if in_one_call is not None:  # native code: the whole layer, or the norm, q/k/v and rotary in one call
             halves = in_one_call.halves()
             residual = residual.contiguous()

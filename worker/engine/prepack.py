@@ -16,7 +16,8 @@ request 100 to 500, then flat). Padded, the shapes are bounded by the largest st
 
 Bfloat16 (`LLMQ_DTYPE=bfloat16`) keeps its weights dense: oneDNN's bf16 kernels (AMX or AVX-512 BF16) gain nothing
 from a packed copy here, but the padding to bounded row counts matters as much. Steps of up to `FEW_ROWS` rows take
-the native few-row kernel instead (`kernels/few_rows.c`), which reads the weights about twice as fast. Bfloat16
+the native few-row kernel instead (`kernels/few_rows.c`), which reads the weights about twice as fast; on a CPU
+without AMX steps of up to `FEW_ROWS_BFLOAT16_WITHOUT_AMX` rows (`few_rows_limit`), where it also sums faster. Bfloat16
 products' bits depend on the row count (oneDNN picks a kernel by shape, and the few-row kernel sums in its own
 order), so unlike float32, a request's bf16 outputs may differ with the batch it ran in.
 
@@ -49,12 +50,16 @@ _POWERS_OF_TWO_UP_TO = 16  # up to here a product reads its weights more than it
 _BUCKETS_PER_DOUBLING = 8
 _linear_pointwise: Any = getattr(torch.ops.mkldnn, "_linear_pointwise", None)  # None without oneDNN
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-# Bfloat16 products of up to this many rows run the few-row kernel. On SmolLM2's 30 layers, weights out of the caches,
-# 2 threads, it took 8.7 ms at 1 row against oneDNN's 18.8 (2.15x), 1.5x at 4, 1.1x at 6, 0.9x at 8: past a few rows
-# the kernel's sums, not the reads, take the time, and oneDNN's AMX tiles do those better. Float32's, where asked, on
-# an AVX2 EPYC: 19.5 ms against oneDNN's packed 23.6 at 1 row (1.21x), 1.8-2.0x at 2-4 (oneDNN reads its layout at
-# half speed there), 1.3x at 5-6, 1.07x at 8.
+# Products of up to this many rows run the few-row kernel: float32's, where asked, and bfloat16's on a CPU with AMX.
+# Float32's on an AVX2 EPYC: 19.5 ms against oneDNN's packed 23.6 at 1 row (1.21x), 1.8-2.0x at 2-4 (oneDNN reads its
+# layout at half speed there), 1.3x at 5-6, 1.07x at 8. Bfloat16's on a Xeon with AMX, SmolLM2's 30 layers, 2
+# threads: 8.7 ms at 1 row against oneDNN's 18.8 (2.15x), 1.5x at 4, 1.1x at 6, 0.9x at 8, where oneDNN's AMX tiles
+# do the sums better (measured while the kernel still kept its sums in memory: `kernels/block_rows.h`).
 FEW_ROWS = 6
+# Bfloat16 products run the few-row kernel up to this many rows on a CPU without AMX, where oneDNN's bfloat16
+# products use the same AVX-512 BF16 dot products: on a Zen 5 the kernel took 17.4 ms against oneDNN's 27.2 at 32
+# rows, the same time at 48 (`python -m bench.few_rows`), and the busy workload ran 1.15x faster than at 6 rows.
+FEW_ROWS_BFLOAT16_WITHOUT_AMX = 32
 
 
 class DerivedWeights(Generic[Derived]):
@@ -83,6 +88,13 @@ class DerivedWeights(Generic[Derived]):
         return self._value
 
 
+@functools.cache
+def few_rows_limit(dtype: torch.dtype) -> int:
+    """The most rows a product in `dtype` takes the few-row kernel for (and a lean layer the native layer, which is
+    built on it): `FEW_ROWS_BFLOAT16_WITHOUT_AMX` for bfloat16 on a CPU without AMX, else `FEW_ROWS`."""
+    return FEW_ROWS_BFLOAT16_WITHOUT_AMX if dtype == torch.bfloat16 and not cpu_kernels.amx() else FEW_ROWS
+
+
 def available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and _linear_pointwise is not None
 
@@ -105,7 +117,7 @@ def packed_product(
     kernel on the dense weight: bfloat16's own (kept dense), or float32's `dense` where given (asked for)."""
     count = rows.shape[0]
     plain = dense if weight.is_mkldnn else weight
-    if plain is not None and count <= FEW_ROWS:
+    if plain is not None and count <= few_rows_limit(plain.dtype):
         few_rows = cpu_kernels.few_rows(plain.dtype)
         if few_rows is not None:
             return few_rows(rows.contiguous(), plain, bias)

@@ -477,14 +477,16 @@ def load(cache_dtype: torch.dtype = torch.float32) -> PagedDecode | None:
 
 
 @functools.cache
-def few_rows(dtype: torch.dtype = torch.bfloat16) -> FewRows | None:
+def few_rows(dtype: torch.dtype = torch.bfloat16, source: Path | None = None) -> FewRows | None:
     """The few-row product for `dtype`, built and loaded: bfloat16 where the CPU has AVX-512 BF16, float32 where it
-    has AVX2 and FMA or AVX-512; None elsewhere, for another dtype, or where it cannot be built."""
+    has AVX2 and FMA or AVX-512; None elsewhere, for another dtype, or where it cannot be built. `source`: another
+    version of the kernel's file, in a folder with the headers it includes (`bench.few_rows` times two side by side)."""
     if dtype == torch.bfloat16 and native_bfloat16():
-        library = _library(FEW_ROWS_SOURCE, FEW_ROWS_BF16, FLAGS, "few-row bfloat16 kernel", FEW_ROWS_FALLBACK)
+        name, fallback = "few-row bfloat16 kernel", FEW_ROWS_FALLBACK
+        library = _library(source or FEW_ROWS_SOURCE, FEW_ROWS_BF16, FLAGS, name, fallback)
     elif dtype == torch.float32:
         name, fallback = "few-row float32 kernel", FEW_ROWS_FLOAT32_FALLBACK
-        library = _library(FEW_ROWS_FLOAT32_SOURCE, FEW_ROWS_FLOAT32, FLAGS, name, fallback)
+        library = _library(source or FEW_ROWS_FLOAT32_SOURCE, FEW_ROWS_FLOAT32, FLAGS, name, fallback)
     else:
         return None
     return None if library is None else FewRows(library, dtype)
@@ -510,6 +512,12 @@ def decoder_layer(width: int, dtype: torch.dtype = torch.float32) -> DecoderLaye
 def native_bfloat16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16, which every CPU with AMX also has)."""
     supported = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(supported is not None and supported())
+
+
+def amx() -> bool:
+    """Whether this CPU has AMX tiles, on which oneDNN's bfloat16 products outrun the few-row kernel past a few rows."""
+    supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(supported is not None and supported())
 
 

@@ -59,8 +59,10 @@ static inline __attribute__((always_inline)) void block_of(const uint16_t *restr
                 sums[o][r] = _mm512_dpbf16_ps(sums[o][r], inputs[r], w);
         }
     }
+#pragma GCC unroll 4 /* fully, with constant counts: else GCC stores every sum to the stack for this loop */
     for (int o = 0; o < outputs; o++) {
         const float shift = bias == 0 ? 0.0f : bf16_to_float(bias[first + o]);
+#pragma GCC unroll 4
         for (int r = 0; r < rows; r++)
             out[(row + r) * out_features + first + o] = float_to_bf16(_mm512_reduce_add_ps(sums[o][r]) + shift);
     }
