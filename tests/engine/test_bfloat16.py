@@ -22,6 +22,7 @@ from worker.engine.loader import LoadOptions, load_model
 from worker.engine.prepack import (
     FEW_ROWS,
     FEW_ROWS_BFLOAT16_WITHOUT_AMX,
+    FEW_ROWS_FLOAT32_AVX512,
     PackedLinear,
     few_rows_limit,
     prepack,
@@ -65,16 +66,17 @@ def test_few_rows_is_the_product_rounded_once(
         torch.testing.assert_close(out.double(), exact, rtol=2**-7, atol=1e-3 * in_features**0.5)
 
 
-def test_bfloat16_takes_the_few_row_kernel_further_on_a_cpu_without_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_few_row_limit_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """oneDNN's bfloat16 products run on AMX tiles where the CPU has them (the kernel leads only for a few rows) and
-    on the kernel's own AVX-512 BF16 dot products where it has not (the kernel led to 32 rows and more); float32's
-    limit is the same on either."""
+    on the kernel's own AVX-512 BF16 dot products where it has not (the kernel led to 32 rows and more); the float32
+    kernel built for AVX-512 leads further than AVX2's, whose 16 registers hold fewer sums."""
     try:
-        for has_amx, expected in ((True, FEW_ROWS), (False, FEW_ROWS_BFLOAT16_WITHOUT_AMX)):
+        for has_amx, has_avx512 in ((True, True), (False, True), (False, False)):
             monkeypatch.setattr(cpu_kernels, "amx", lambda has_amx=has_amx: has_amx)
+            monkeypatch.setattr(cpu_kernels, "avx512", lambda has_avx512=has_avx512: has_avx512)
             few_rows_limit.cache_clear()
-            assert few_rows_limit(torch.bfloat16) == expected
-            assert few_rows_limit(torch.float32) == FEW_ROWS
+            assert few_rows_limit(torch.bfloat16) == (FEW_ROWS if has_amx else FEW_ROWS_BFLOAT16_WITHOUT_AMX)
+            assert few_rows_limit(torch.float32) == (FEW_ROWS_FLOAT32_AVX512 if has_avx512 else FEW_ROWS)
     finally:
         monkeypatch.undo()
         few_rows_limit.cache_clear()

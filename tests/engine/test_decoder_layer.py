@@ -18,7 +18,7 @@ from worker.engine import lean_layers
 from worker.engine.kernels import cpu_kernels
 from worker.engine.kernels.cpu_kernels import AttentionIn, DecoderLayer, DecodeRows, DecodeWrites, FewRows
 from worker.engine.loader import LoadOptions, load_model
-from worker.engine.prepack import FEW_ROWS
+from worker.engine.prepack import FEW_ROWS, few_rows_limit
 from worker.engine.types import EngineRequest
 
 EPS = 1e-5
@@ -271,7 +271,7 @@ async def test_the_few_row_engine_runs_them_for_a_few_rows_beside_the_torch_ops(
     tiny_model_dir: Path, make_engine: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Loaded with `float32_few_rows` (llama, and qwen2 with q/k/v biases): steps of decode rows only take the whole
-    layer in one call, other steps of up to `FEW_ROWS` rows (a short prompt) the native halves, prompts of more the
+    layer in one call, other steps of up to `few_rows_limit` rows (a short prompt) the native halves, longer prompts the
     torch ops; tokens equal and logprobs within float32 rounding of the same engine on the torch ops alone. The
     default float32 engine never takes them."""
     rows_seen = record_rows(monkeypatch, AttentionIn, "__call__")
@@ -282,8 +282,8 @@ async def test_the_few_row_engine_runs_them_for_a_few_rows_beside_the_torch_ops(
     engine = await make_engine(tiny_model_dir, model=model, tokenizer=tokenizer)
     assert engine.counters.paths["decoder_layer"] == "compiled"  # `llmq:engine_path{component="decoder_layer"}`
     native = await _run(engine, workload)
-    assert 3 in rows_seen and max(rows_seen) <= FEW_ROWS  # the 3-token prompt, on the halves
-    assert whole_layers and max(whole_layers) <= FEW_ROWS
+    assert 3 in rows_seen and max(rows_seen) <= few_rows_limit(torch.float32)  # the 3-token prompt, on the halves
+    assert whole_layers and max(whole_layers) <= few_rows_limit(torch.float32)
     assert whole_layers.count(1) >= sum(n - 1 for _, n in workload) * model.config.num_hidden_layers
 
     monkeypatch.setattr(lean_layers, "_native_layer", lambda layer, width: None)

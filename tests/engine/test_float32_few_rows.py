@@ -16,8 +16,10 @@ from tests.engine.test_engine import collect, greedy, mixed_prompts, tokens_of
 from worker.engine.kernels import cpu_kernels
 from worker.engine.kernels.cpu_kernels import FewRows
 from worker.engine.loader import LoadOptions, load_model
-from worker.engine.prepack import FEW_ROWS, PackedLinear, StackedLinears, packed_product, prepack
+from worker.engine.prepack import PackedLinear, StackedLinears, few_rows_limit, packed_product, prepack
 from worker.engine.types import EngineRequest
+
+FLOAT32_FEW_ROWS = few_rows_limit(torch.float32)  # 16 with AVX-512, 6 with AVX2
 
 
 @pytest.fixture
@@ -36,7 +38,7 @@ def test_it_is_the_product_within_float32_rounding(
     torch.manual_seed(in_features * 7 + out_features)
     weight = torch.randn(out_features, in_features)
     bias = torch.randn(out_features) if biased else None
-    for rows in range(1, FEW_ROWS + 1):
+    for rows in range(1, FLOAT32_FEW_ROWS + 1):
         x = torch.randn(rows, in_features)
         exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
         out = few_rows(x, weight, bias)
@@ -47,9 +49,9 @@ def test_it_is_the_product_within_float32_rounding(
 def test_a_row_gets_the_same_bits_in_any_batch(few_rows: FewRows) -> None:
     torch.manual_seed(0)
     weight = torch.randn(3072, 576)
-    x = torch.randn(FEW_ROWS, 576)
+    x = torch.randn(FLOAT32_FEW_ROWS, 576)
     batched = few_rows(x, weight, None)
-    for row in range(FEW_ROWS):
+    for row in range(FLOAT32_FEW_ROWS):
         assert torch.equal(few_rows(x[row : row + 1].contiguous(), weight, None)[0], batched[row])
 
 
@@ -90,18 +92,18 @@ def _linears(seed: int, *shapes: tuple[int, int]) -> list[nn.Linear]:
 
 @pytest.mark.parametrize("asked", [False, True], ids=["default", "asked"])
 def test_a_packed_layer_takes_the_kernel_for_a_few_rows_only_when_asked(few_rows: FewRows, asked: bool) -> None:
-    """Asked: up to `FEW_ROWS` rows are the kernel's bits, more are oneDNN's. Not asked (the default): every row
+    """Asked: up to `few_rows_limit` rows are the kernel's bits, more are oneDNN's. Not asked (the default): every row
     count is oneDNN's packed product, as `generate`'s are."""
     [linear] = _linears(2, (40, 96))
     model = nn.Sequential(linear)
     assert prepack(model, float32_few_rows=asked) == 1 and type(model[0]) is PackedLinear
     packed = model[0]
     with torch.no_grad():
-        for rows in (1, FEW_ROWS, FEW_ROWS + 1, 17):
+        for rows in (1, FLOAT32_FEW_ROWS, FLOAT32_FEW_ROWS + 1, 33):
             x = torch.randn(rows, 96)
             onednn = packed_product(x, packed.packed_weight(), packed.bias)
             kernel = few_rows(x, packed.weight.detach(), packed.bias.detach())
-            expected = kernel if asked and rows <= FEW_ROWS else onednn
+            expected = kernel if asked and rows <= FLOAT32_FEW_ROWS else onednn
             assert torch.equal(model(x), expected), rows
 
 
@@ -111,10 +113,10 @@ def test_stacked_layers_take_the_kernel_layer_by_layer(few_rows: FewRows) -> Non
     linears = [PackedLinear.wrap(linear, float32_few_rows=True) for linear in _linears(3, (48, 64), (16, 64), (16, 64))]
     stacked = StackedLinears(linears)
     with torch.no_grad():
-        x = torch.randn(FEW_ROWS, 64)
+        x = torch.randn(FLOAT32_FEW_ROWS, 64)
         expected = torch.cat([few_rows(x, linear.weight, linear.bias) for linear in linears], dim=1)
         assert torch.equal(stacked(x), expected)
-        many = torch.randn(FEW_ROWS + 3, 64)
+        many = torch.randn(FLOAT32_FEW_ROWS + 3, 64)
         torch.testing.assert_close(stacked(many), torch.cat([linear(many) for linear in linears], dim=1))
 
 
@@ -139,7 +141,7 @@ async def test_an_engine_with_it_answers_in_full_close_to_generate(
         assert len(tokens) == len(expected) and tokens[0] == expected[0], index
         identical += tokens == expected
     assert identical >= 6
-    assert calls and max(calls) <= FEW_ROWS
+    assert calls and max(calls) <= FLOAT32_FEW_ROWS
 
 
 async def test_the_default_engine_reports_no_few_row_kernel(tiny_model_dir: Path, make_engine: Any) -> None:

@@ -7,8 +7,8 @@ The contract under test:
   contiguous float32 CPU tensors; with `out` (float32 `[rows, out]`, unit column stride, e.g. a column slice of a
   wider tensor) it writes there and returns it; a row's bits do not depend on the other rows of the call; anything
   else is refused with ValueError. `few_rows(torch.float16)` is None.
-- `prepack(model, float32_few_rows=True)`: products of up to `FEW_ROWS` rows run the kernel on the dense weight,
-  more run oneDNN's packed product; without the flag nothing changes.
+- `prepack(model, float32_few_rows=True)`: products of up to `few_rows_limit(torch.float32)` rows (16 with AVX-512,
+  else 6) run the kernel on the dense weight, more run oneDNN's packed product; without the flag nothing changes.
 - `LoadOptions(float32_few_rows=True)` loads so; the worker setting is `LLMQ_FLOAT32_FEW_ROWS` / `--float32-few-rows`.
 - The engine reports `paths["few_rows"] == "compiled"` for such a model (none for a default float32 one), answers
   every request in full, first tokens equal to `generate`'s; outputs close to, not bitwise, `generate`'s.
@@ -36,8 +36,10 @@ from worker.config import Settings
 from worker.engine.kernels import cpu_kernels
 from worker.engine.kernels.cpu_kernels import FewRows
 from worker.engine.loader import LoadOptions, load_model
-from worker.engine.prepack import FEW_ROWS, PackedLinear, prepack
+from worker.engine.prepack import PackedLinear, few_rows_limit, prepack
 from worker.engine.types import EngineRequest, Finish
+
+FLOAT32_FEW_ROWS = few_rows_limit(torch.float32)  # 16 with AVX-512, 6 with AVX2
 
 UNIT_ROUNDOFF = 2.0**-24
 
@@ -103,7 +105,7 @@ def test_the_kernel_is_the_product_at_odd_widths(
     generator = torch.Generator().manual_seed(in_features * 100 + out_features)
     weight = torch.randn(out_features, in_features, generator=generator)
     bias = torch.randn(out_features, generator=generator) * 3 if biased else None
-    for rows in range(1, FEW_ROWS + 3):
+    for rows in range(1, FLOAT32_FEW_ROWS + 3):
         x = torch.randn(rows, in_features, generator=generator)
         out = kernel(x, weight, bias)
         assert out.shape == (rows, out_features) and out.is_contiguous() and out.device.type == "cpu"
@@ -117,7 +119,7 @@ def test_the_kernel_is_exact_where_float32_sums_are(kernel: FewRows) -> None:
     for in_features, out_features in ((1, 1), (7, 3), (9, 17), (15, 2), (17, 9), (4097, 5)):
         weight = torch.randint(-3, 4, (out_features, in_features), generator=generator).float()
         bias = torch.randint(-50, 51, (out_features,), generator=generator).float()
-        for rows in range(1, FEW_ROWS + 1):
+        for rows in range(1, FLOAT32_FEW_ROWS + 1):
             x = torch.randint(-2, 3, (rows, in_features), generator=generator).float()
             assert torch.equal(kernel(x, weight, bias).double(), exact_product(x, weight, bias)), (in_features, rows)
             assert torch.equal(kernel(x, weight, None).double(), exact_product(x, weight, None))
@@ -166,7 +168,7 @@ def test_the_kernel_propagates_nan_and_inf_to_their_own_outputs_only(kernel: Few
     in_features, out_features = 17, 9
     generator = torch.Generator().manual_seed(9)
     weight = torch.rand(out_features, in_features, generator=generator) + 0.5  # positive
-    x = torch.rand(FEW_ROWS, in_features, generator=generator) + 0.25
+    x = torch.rand(FLOAT32_FEW_ROWS, in_features, generator=generator) + 0.25
     clean = kernel(x, weight, None)
     assert bool(clean.isfinite().all())
 
@@ -205,11 +207,11 @@ def test_the_kernel_propagates_nan_and_inf_to_their_own_outputs_only(kernel: Few
 def test_a_row_gets_the_same_bits_whatever_else_is_in_the_call(
     kernel: FewRows, in_features: int, out_features: int
 ) -> None:
-    """A row alone, in any batch of 1..FEW_ROWS+2 rows, in any position, repeated: the same bits."""
+    """A row alone, in any batch of 1..FLOAT32_FEW_ROWS+2 rows, in any position, repeated: the same bits."""
     generator = torch.Generator().manual_seed(in_features + out_features)
     weight = torch.randn(out_features, in_features, generator=generator)
     bias = torch.randn(out_features, generator=generator)
-    pool = torch.randn(FEW_ROWS + 2, in_features, generator=generator)
+    pool = torch.randn(FLOAT32_FEW_ROWS + 2, in_features, generator=generator)
     alone = torch.stack([kernel(pool[i : i + 1].contiguous(), weight, bias)[0] for i in range(pool.shape[0])])
     rng = random.Random(in_features)
     for count in range(1, pool.shape[0] + 1):
@@ -228,7 +230,7 @@ def test_the_kernel_writes_a_column_slice_and_nothing_around_it(kernel: FewRows)
     weights = [torch.randn(w, in_features, generator=generator) for w in widths]
     biases = [torch.randn(w, generator=generator) if i % 2 else None for i, w in enumerate(widths)]
     total = sum(widths) + 5
-    for rows in range(1, FEW_ROWS + 1):
+    for rows in range(1, FLOAT32_FEW_ROWS + 1):
         x = torch.randn(rows, in_features, generator=generator)
         wide = torch.full((rows + 2, total), -7.5)
         first = 2
@@ -304,7 +306,7 @@ def tied_model(seed: int, *, bias: bool = True) -> nn.Module:
 
 @pytest.mark.parametrize("biased", [True, False], ids=["bias", "nobias"])
 def test_prepack_with_the_flag_routes_rows_as_documented(kernel: FewRows, biased: bool) -> None:
-    """Up to FEW_ROWS rows: the kernel's bits on the dense weight; more: the default packed layer's bits. Tied
+    """Up to `few_rows_limit` rows: the kernel's bits on the dense weight; more: the default packed layer's bits. Tied
     layers stay one module sharing one parameter; the state dict is unchanged."""
     model = tied_model(3, bias=biased)
     default = copy.deepcopy(model)
@@ -319,11 +321,11 @@ def test_prepack_with_the_flag_routes_rows_as_documented(kernel: FewRows, biased
     bias = None if first.bias is None else first.bias.detach()
     generator = torch.Generator().manual_seed(4)
     with torch.no_grad():
-        for rows in (1, 2, 3, 5, FEW_ROWS, FEW_ROWS + 1, 8, 9, 17, 33, 100):
+        for rows in (1, 2, 3, 5, FLOAT32_FEW_ROWS, FLOAT32_FEW_ROWS + 1, 8, 9, 17, 33, 100):
             x = torch.randn(rows, 45, generator=generator)
             out = first(x)
             assert out.shape == (rows, 7) and out.dtype == torch.float32
-            if rows <= FEW_ROWS:
+            if rows <= FLOAT32_FEW_ROWS:
                 assert torch.equal(out, kernel(x, weight, bias)), rows
             else:
                 assert torch.equal(out, default[0][0](x)), rows
@@ -331,12 +333,12 @@ def test_prepack_with_the_flag_routes_rows_as_documented(kernel: FewRows, biased
             whole = model(x)
             assert whole.shape == (rows, 7)
             torch.testing.assert_close(whole, default(x), rtol=1e-5, atol=1e-5)
-            if rows > FEW_ROWS:
+            if rows > FLOAT32_FEW_ROWS:
                 assert torch.equal(whole, default(x)), f"{rows} rows go through oneDNN as without the flag"
 
         x3 = torch.randn(2, 3, 45, generator=generator)  # 6 rows through a 3-D input
         assert torch.equal(first(x3), kernel(x3.reshape(6, 45), weight, bias).view(2, 3, 7))
-        x3 = torch.randn(2, 4, 45, generator=generator)  # 8 rows through a 3-D input
+        x3 = torch.randn(2, FLOAT32_FEW_ROWS, 45, generator=generator)  # twice the limit's rows through a 3-D input
         assert torch.equal(first(x3), default[0][0](x3))
         strided = torch.randn(45, 4, generator=generator).T  # non-contiguous rows are made contiguous, not refused
         assert torch.equal(first(strided), kernel(strided.contiguous(), weight, bias))
@@ -349,7 +351,7 @@ def test_a_weight_changed_in_place_is_used_at_once_with_the_flag(kernel: FewRows
     prepack(model, float32_few_rows=True)
     layer = model[0][0]
     with torch.no_grad():
-        few, many = torch.randn(2, 45), torch.randn(FEW_ROWS + 3, 45)
+        few, many = torch.randn(2, 45), torch.randn(FLOAT32_FEW_ROWS + 3, 45)
         before_few, before_many = layer(few), layer(many)
         layer.weight.mul_(2)
         layer.bias.add_(1)
@@ -380,7 +382,7 @@ def test_the_flag_leaves_other_dtypes_alone() -> None:
     prepack(bf16_flagged, float32_few_rows=True)
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():
-        for rows in (1, 4, FEW_ROWS, 9):
+        for rows in (1, 4, FLOAT32_FEW_ROWS, 9):
             x = torch.randn(rows, 45, generator=generator).bfloat16()
             out = bf16_flagged(x)
             assert out.dtype == torch.bfloat16 and torch.equal(out, bf16(x)), rows
@@ -414,8 +416,8 @@ def test_a_flagged_layer_still_trains() -> None:
 
 
 def test_the_loader_with_the_option_is_close_to_the_default_model(tiny_model_dir: Path) -> None:
-    """Prompts of up to FEW_ROWS tokens: logits close to the default model's. Longer prompts: every product has
-    more rows than FEW_ROWS, so the logits are the default model's bit for bit."""
+    """Prompts of up to FLOAT32_FEW_ROWS tokens: logits close to the default model's. Longer prompts: every product has
+    more rows than FLOAT32_FEW_ROWS, so the logits are the default model's bit for bit."""
     model, _ = load_few_rows(tiny_model_dir)
     default, _ = load(tiny_model_dir)
     assert LoadOptions().float32_few_rows is False
@@ -426,12 +428,12 @@ def test_the_loader_with_the_option_is_close_to_the_default_model(tiny_model_dir
     vocab = model.config.vocab_size
     rng = random.Random(13)
     with torch.no_grad():
-        for length in (1, 2, 5, FEW_ROWS):
+        for length in (1, 2, 5, FLOAT32_FEW_ROWS):
             ids = torch.tensor([[rng.randrange(3, vocab) for _ in range(length)]])
             ours, theirs = model(ids).logits, default(ids).logits
             torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
             assert int(ours[0, -1].argmax()) == int(theirs[0, -1].argmax())
-        for length in (FEW_ROWS + 1, 20, 70):
+        for length in (FLOAT32_FEW_ROWS + 1, 20, 70):
             ids = torch.tensor([[rng.randrange(3, vocab) for _ in range(length)]])
             assert torch.equal(model(ids).logits, default(ids).logits), f"a {length}-token prompt"
 
@@ -487,7 +489,7 @@ async def test_a_busy_engine_with_the_option_answers_every_request_in_full(
     tiny_model_dir: Path, make_engine: Any
 ) -> None:
     """Eight requests at once, short prompts (whole prefills of a few rows) and long ones, lengths staggered so
-    steps go from more than FEW_ROWS rows to fewer: every one answered in full, first token `generate`'s."""
+    steps go from more than FLOAT32_FEW_ROWS rows to fewer: every one answered in full, first token `generate`'s."""
     model, tokenizer = load_few_rows(tiny_model_dir)
     reference, _ = load(tiny_model_dir)
     engine = await make_engine(tiny_model_dir, model=model, tokenizer=tokenizer, max_batch_tokens=64)

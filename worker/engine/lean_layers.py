@@ -13,7 +13,7 @@ installed here computes the same thing in ~40 ops and no module calls:
   (the same products and sums, so the same bits), on q and k together, with `cos` / `signed_sin` made once per
   step for every layer;
 - SiLU, the gating product and both residual adds in place.
-Steps of up to `few_rows_limit` rows (`prepack.py`: 6, or 32 for bfloat16 on a CPU without AMX) go further where the
+Steps of up to `few_rows_limit` rows (`prepack.py`: 6 to 32 by dtype and CPU) go further where the
 few-row kernel serves the products (bfloat16, or float32 when asked for): the layer runs in native code
 (`kernels/decoder_layer.c`), in one call for a step of decode rows only (the cache write and the decode attention
 inside), else in two around the attention.

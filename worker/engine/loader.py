@@ -39,7 +39,7 @@ class LoadOptions:
     # int8 (float32 on CPU): the body's linear layers multiply batches of up to 32 rows with int8 weights, larger
     # ones pre-packed in float32 whatever `prepack` says (`quantize.py`); the output head stays float32
     quantize: Literal["none", "int8"] = "none"
-    # float32 on CPU: steps of up to 6 rows take the native few-row kernel (`prepack.py`), faster for a lone request;
+    # float32 on CPU: steps of up to 6 rows (16 with AVX-512) take the native few-row kernel (`prepack.py`), faster;
     # its sums run in another order, so outputs are close to `generate`'s, not bitwise equal
     float32_few_rows: bool = False
 

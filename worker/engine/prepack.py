@@ -14,17 +14,17 @@ both caches filled (in-process, the tiny test model: +530 MB over 1,300 requests
 request 100 to 500, then flat). Padded, the shapes are bounded by the largest step
 (`max_batch_tokens`): 5 up to 16 rows, 8 per doubling beyond, so at most 1/8 of a product's rows are padding.
 
-Bfloat16 (`LLMQ_DTYPE=bfloat16`) keeps its weights dense: oneDNN's bf16 kernels (AMX or AVX-512 BF16) gain nothing
-from a packed copy here, but the padding to bounded row counts matters as much. Steps of up to `FEW_ROWS` rows take
-the native few-row kernel instead (`kernels/few_rows.c`), which reads the weights about twice as fast; on a CPU
-without AMX steps of up to `FEW_ROWS_BFLOAT16_WITHOUT_AMX` rows (`few_rows_limit`), where it also sums faster. Bfloat16
-products' bits depend on the row count (oneDNN picks a kernel by shape, and the few-row kernel sums in its own
-order), so unlike float32, a request's bf16 outputs may differ with the batch it ran in.
+Bfloat16 (`LLMQ_DTYPE=bfloat16`) keeps its weights dense: oneDNN's bf16 kernels (AMX or AVX-512 BF16) gain nothing from
+a packed copy here, but the padding to bounded row counts matters as much. Steps of up to `FEW_ROWS` rows take the
+native few-row kernel instead (`kernels/few_rows.c`), which reads the weights about twice as fast; on a CPU without AMX
+steps of up to `FEW_ROWS_BFLOAT16_WITHOUT_AMX` rows (`few_rows_limit`), where it also sums faster. Bfloat16 products'
+bits depend on the row count (oneDNN picks a kernel by shape, and the few-row kernel sums in its own order), so unlike
+float32, a request's bf16 outputs may differ with the batch it ran in.
 
-Float32 steps of up to `FEW_ROWS` rows may take the float32 few-row kernel (`kernels/few_rows_float32.c`) on the dense
-weights, when the operator asks (`prepack(model, float32_few_rows=True)`, `LLMQ_FLOAT32_FEW_ROWS`): 1.3-2x oneDNN's
-speed there, no memory added, but its sums run in another order than oneDNN's, so float32 outputs are then close to
-`generate`'s, not equal bit for bit, and depend on the batch as bfloat16's do.
+Float32 steps of a few rows (`few_rows_limit`: up to 16 with AVX-512, else 6) may take the float32 few-row kernel
+(`kernels/few_rows_float32.c`) on the dense weights, when the operator asks (`prepack(model, float32_few_rows=True)`,
+`LLMQ_FLOAT32_FEW_ROWS`): 1.3-2x oneDNN's speed there, no memory added, but its sums run in another order than oneDNN's,
+so float32 outputs are then close to `generate`'s, not equal bit for bit, and depend on the batch as bfloat16's do.
 
 `prepack(model)` swaps each float32 or bfloat16 `nn.Linear` for a `PackedLinear` that shares its parameters (tied
 weights stay tied). It packs again if the weight is changed in place or swapped for another (`DerivedWeights`), and
@@ -60,6 +60,9 @@ FEW_ROWS = 6
 # products use the same AVX-512 BF16 dot products: on a Zen 5 the kernel took 17.4 ms against oneDNN's 27.2 at 32
 # rows, the same time at 48 (`python -m bench.few_rows`), and the busy workload ran 1.15x faster than at 6 rows.
 FEW_ROWS_BFLOAT16_WITHOUT_AMX = 32
+# Float32's (where asked) built for AVX-512 on that Zen 5: 22.8 ms against oneDNN's packed 28.3 at 16 rows, about
+# even at 24; the busy workload ran 1.09x faster than at 6 rows. AVX2's 16 registers hold fewer sums: 6 stays there.
+FEW_ROWS_FLOAT32_AVX512 = 16
 
 
 class DerivedWeights(Generic[Derived]):
@@ -91,8 +94,11 @@ class DerivedWeights(Generic[Derived]):
 @functools.cache
 def few_rows_limit(dtype: torch.dtype) -> int:
     """The most rows a product in `dtype` takes the few-row kernel for (and a lean layer the native layer, which is
-    built on it): `FEW_ROWS_BFLOAT16_WITHOUT_AMX` for bfloat16 on a CPU without AMX, else `FEW_ROWS`."""
-    return FEW_ROWS_BFLOAT16_WITHOUT_AMX if dtype == torch.bfloat16 and not cpu_kernels.amx() else FEW_ROWS
+    built on it): for bfloat16 `FEW_ROWS` on a CPU with AMX, else `FEW_ROWS_BFLOAT16_WITHOUT_AMX`; for float32
+    `FEW_ROWS_FLOAT32_AVX512` on a CPU with AVX-512, else `FEW_ROWS`."""
+    if dtype == torch.bfloat16:
+        return FEW_ROWS if cpu_kernels.amx() else FEW_ROWS_BFLOAT16_WITHOUT_AMX
+    return FEW_ROWS_FLOAT32_AVX512 if cpu_kernels.avx512() else FEW_ROWS
 
 
 def available() -> bool:
@@ -211,7 +217,7 @@ class StackedLinears:
         """`x`: `[rows, in_features]` in the weights' dtype. Biases as a `PackedLinear` reads its own: at each call.
         Float32 steps of a few rows, where asked for, take the few-row kernel on each layer's dense weight (none is
         stacked), each writing its columns of one output."""
-        if x.shape[0] <= FEW_ROWS and self.linears[0].few_rows_weight() is not None:
+        if x.shape[0] <= few_rows_limit(torch.float32) and self.linears[0].few_rows_weight() is not None:
             few_rows = cpu_kernels.few_rows(torch.float32)
             if few_rows is not None:
                 return self._few_rows(few_rows, x.contiguous())

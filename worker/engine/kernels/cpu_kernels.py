@@ -515,6 +515,12 @@ def native_bfloat16() -> bool:
     return bool(supported is not None and supported())
 
 
+def avx512() -> bool:
+    """Whether this CPU has AVX-512, for which the float32 few-row kernel is built with twice AVX2's vector width."""
+    supported = getattr(torch.cpu, "_is_avx512_supported", None)
+    return bool(supported is not None and supported())
+
+
 def amx() -> bool:
     """Whether this CPU has AMX tiles, on which oneDNN's bfloat16 products outrun the few-row kernel past a few rows."""
     supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
