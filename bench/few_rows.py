@@ -6,7 +6,7 @@ source compares with another.
 
 For each row count: the products of one token through SmolLM2-135M's shapes (30 layers' q/k/v, o, gate/up and
 down, and the output head; random weights, about 270 MB in bfloat16, so every pass reads them from memory) by the
-few-row kernel and by the product that runs above `FEW_ROWS` (bfloat16: torch's linear, oneDNN; float32: oneDNN on
+few-row kernel and by the product that runs above its limit (bfloat16: torch's linear, oneDNN; float32: oneDNN on
 the packed weights), rounds alternated; the median ms and the GB/s of weights it reads. `--kernel-source FILE` also
 times the kernel built from FILE (`git show REV:worker/engine/kernels/few_rows.c > /tmp/old.c`) and checks that its
 outputs equal the shipped kernel's bit for bit. `--quick`: tiny shapes (the tests run it). The last line is one JSON
@@ -55,8 +55,8 @@ def weights_of(shapes: Shapes, dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 def onednn(dtype: torch.dtype, weights: list[torch.Tensor]) -> tuple[Product, list[torch.Tensor]]:
-    """What runs above `FEW_ROWS`, at the same padded row counts: oneDNN on packed float32 weights, torch's linear
-    (oneDNN too) on bfloat16 ones."""
+    """What runs above the few-row limit, at the same padded row counts: oneDNN on packed float32 weights, torch's
+    linear (oneDNN too) on bfloat16 ones."""
     if dtype == torch.float32:
         return lambda x, packed: prepack.packed_product(x, packed, None), [prepack.pack(w) for w in weights]
 
@@ -111,12 +111,12 @@ ODD_SHAPES = ((33, 7), (7, 3), (100, 65))  # (in, out): a last narrower column b
 
 
 def equal_bits(first: cpu_kernels.FewRows, second: cpu_kernels.FewRows, weights: list[torch.Tensor]) -> bool:
-    """Whether both kernels give the same bits: on `weights`, and on odd shapes with a bias, at 1 to `FEW_ROWS` rows
-    (a full pass of rows, a shorter last one)."""
+    """Whether both kernels give the same bits: on `weights`, and on odd shapes with a bias, at 1 to `few_rows_limit`
+    rows (full passes of rows and shorter last ones)."""
     generator = torch.Generator().manual_seed(1)
     odd = [torch.randn(out, width, generator=generator).to(first.dtype) for width, out in ODD_SHAPES]
     biases = {id(weight): torch.randn(weight.shape[0], generator=generator).to(first.dtype) for weight in odd}
-    for rows in range(1, prepack.FEW_ROWS + 1):
+    for rows in range(1, prepack.few_rows_limit(first.dtype) + 1):
         for weight in [*weights, *odd]:
             x = torch.randn(rows, weight.shape[1], generator=generator).to(first.dtype)
             bias = biases.get(id(weight))

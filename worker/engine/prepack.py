@@ -237,7 +237,7 @@ class StackedLinears:
 
 def prepack(model: Any, *, float32_few_rows: bool = False) -> int:
     """Swaps every float32 or bfloat16 CPU `nn.Linear` in `model` for a `PackedLinear`; returns how many. No-op
-    without oneDNN. `float32_few_rows`: float32 steps of up to `FEW_ROWS` rows take the few-row kernel (faster,
+    without oneDNN. `float32_few_rows`: float32 steps of up to `few_rows_limit` rows take the few-row kernel (faster,
     outputs close to but not bitwise `generate`'s)."""
     if not available():
         return 0
