@@ -3,13 +3,12 @@ float32 with the few-row kernel (`LLMQ_FLOAT32_FEW_ROWS`), or bfloat16 (`--bfloa
 
     python -m bench.decoder_layer [--rounds 3] [--busy] [--requests 64] [--bfloat16]
 
-The default model loaded in that mode; each round runs a lone request (48 tokens after a 64-token prompt) on an
-engine whose lean layers take the native layer for steps of up to `FEW_ROWS` rows (a step of decode rows only in one
+The default model loaded in that mode; each round runs a lone request (48 tokens after a 64-token prompt) on an engine
+whose lean layers take the native layer for steps of up to `few_rows_limit` rows (a step of decode rows only in one
 call a layer, others in its two halves around the attention), and on one whose lean layers run their torch ops around
 the same few-row products; `--busy` also runs `bench.engine`'s busy workload in each (whose steps fall to a few rows
 only at its end). Prints each run and the ratio of the medians, and how many busy requests' greedy tokens agree
-between the two ways (SiLU's `expf` may move a last bit); the last line is one JSON object.
-"""
+between the two ways (SiLU's `expf` may move a last bit); the last line is one JSON object."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ same matrix multiplies.
 request by request: `int8_first_diff_mean`, the mean index of the first differing token (a request without a
 difference counts as its length), and `int8_identical`, the fraction of requests with no difference.
 `--float32-few-rows` does the same for the model loaded with `float32_few_rows=True` (`LLMQ_FLOAT32_FEW_ROWS`: decode
-steps of up to 6 rows on the float32 few-row kernel): `few_rows_engine_tok_s`, `few_rows_speedup`,
+steps of up to 6 rows, 16 with AVX-512, on the float32 few-row kernel): `few_rows_engine_tok_s`, `few_rows_speedup`,
 `few_rows_lone_decode_ms`, `few_rows_first_diff_mean`, `few_rows_identical`.
 
 Bfloat16 (`LLMQ_DTYPE=bfloat16`), on a CPU with native bfloat16 products (AVX-512 BF16 / AMX; `--no-bfloat16`

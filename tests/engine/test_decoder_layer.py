@@ -1,5 +1,5 @@
-"""The native decoder layer (`kernels/decoder_layer.c`), which the lean layers run for steps of up to `FEW_ROWS` rows
-in the float32 few-row mode and, built for bfloat16, in the bfloat16 mode: before attention, the torch ops' bits
+"""The native decoder layer (`kernels/decoder_layer.c`), which the lean layers run for steps of up to `few_rows_limit`
+rows in the float32 few-row mode and, built for bfloat16, in the bfloat16 mode: before attention, the torch ops' bits
 exactly; after it, the torch ops' result within SiLU's last bit; a step of decode rows in one call, the bits of the
 calls it replaces; what they refuse; and the engine with them, beside the torch ops, in both dtypes."""
 
@@ -18,7 +18,7 @@ from worker.engine import lean_layers
 from worker.engine.kernels import cpu_kernels
 from worker.engine.kernels.cpu_kernels import AttentionIn, DecoderLayer, DecodeRows, DecodeWrites, FewRows
 from worker.engine.loader import LoadOptions, load_model
-from worker.engine.prepack import FEW_ROWS, few_rows_limit
+from worker.engine.prepack import few_rows_limit
 from worker.engine.types import EngineRequest
 
 EPS = 1e-5
@@ -67,7 +67,7 @@ def test_before_attention_it_gives_the_torch_ops_bits(
     weights = tuple(_random(dtype, out, width) for out in widths)
     biases = tuple(_random(dtype, out, scale=1.0) if biased else None for out in widths)
     norm_weight = _random(dtype, width, scale=1.0)
-    for rows in range(1, FEW_ROWS + 1):
+    for rows in range(1, few_rows_limit(dtype) + 1):
         hidden = _random(dtype, rows, width, scale=3.0)
         cos, signed_sin = (table.to(dtype) for table in _rotary(rows, head_dim))
         got = layer.attention_in(hidden, (norm_weight, EPS), weights, biases, cos, signed_sin)
@@ -94,7 +94,8 @@ def test_after_attention_it_is_the_torch_ops_within_silus_last_bit(
     weights = (_random(dtype, intermediate, width), _random(dtype, intermediate, width))
     down = _random(dtype, width, intermediate)
     norm_weight = _random(dtype, width, scale=1.0)
-    attended, residual = _random(dtype, FEW_ROWS, heads * head_dim, scale=1.0), _random(dtype, FEW_ROWS, width, scale=3)
+    rows = few_rows_limit(dtype)
+    attended, residual = _random(dtype, rows, heads * head_dim, scale=1.0), _random(dtype, rows, width, scale=3)
     got = layer.attention_out(attended, residual, output, (norm_weight, EPS), (*weights, down), (None, None, None))
     hidden = few_rows(attended, *output).add_(residual)
     normed = norm(hidden, norm_weight, EPS)
@@ -104,7 +105,7 @@ def test_after_attention_it_is_the_torch_ops_within_silus_last_bit(
         assert torch.equal(got, expected)
     else:
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    for row in range(FEW_ROWS):
+    for row in range(rows):
         alone = layer.attention_out(
             attended[row : row + 1], residual[row : row + 1], output, (norm_weight, EPS), (*weights, down),
             (None, None, None),
@@ -196,15 +197,16 @@ def test_a_step_of_decode_rows_in_one_call_gives_the_calls_bits(
     assert paged is not None
     generator = torch.Generator().manual_seed(width)
     q_width, kv_width = heads * head_dim, kv_heads * head_dim
-    for rows in range(1, FEW_ROWS + 1):
-        writes = _decode_rows(rows, 400, generator)
+    for rows in range(1, few_rows_limit(dtype) + 1):
+        cache_rows = 40 * rows  # room for every request's longest span (39 rows)
+        writes = _decode_rows(rows, cache_rows, generator)
         hidden = _random(dtype, rows, width, scale=3.0)
         cos, signed_sin = (table.to(dtype) for table in _rotary(rows, head_dim))
-        keys, values = (_random(dtype, 400, kv_heads, head_dim, scale=1.0) for _ in range(2))
+        keys, values = (_random(dtype, cache_rows, kv_heads, head_dim, scale=1.0) for _ in range(2))
         expected_keys, expected_values = keys.clone(), values.clone()
         qkv = halves[0](hidden, cos, signed_sin)
-        expected_keys.view(400, -1).index_copy_(0, writes.write_index, qkv[:, q_width : q_width + kv_width])
-        expected_values.view(400, -1).index_copy_(0, writes.write_index, qkv[:, q_width + kv_width :])
+        expected_keys.view(cache_rows, -1).index_copy_(0, writes.write_index, qkv[:, q_width : q_width + kv_width])
+        expected_values.view(cache_rows, -1).index_copy_(0, writes.write_index, qkv[:, q_width + kv_width :])
         sums = torch.empty(rows, heads, head_dim)
         query = qkv[:, :q_width].float().reshape(rows, heads, head_dim).contiguous()
         paged(query, expected_keys, expected_values, writes.rows, head_dim**-0.5, sums)

@@ -57,8 +57,9 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # do the sums better (measured while the kernel still kept its sums in memory: `kernels/block_rows.h`).
 FEW_ROWS = 6
 # Bfloat16 products run the few-row kernel up to this many rows on a CPU without AMX, where oneDNN's bfloat16
-# products use the same AVX-512 BF16 dot products: on a Zen 5 the kernel took 17.4 ms against oneDNN's 27.2 at 32
-# rows, the same time at 48 (`python -m bench.few_rows`), and the busy workload ran 1.15x faster than at 6 rows.
+# products use the same AVX-512 BF16 dot products: on a Zen 5 the kernel took 17.4 and 18.7 ms against oneDNN's 27.2
+# and 21.8 at 32 rows in two runs, about the same at 48 (`python -m bench.few_rows`), and the busy workload ran 1.15x
+# faster than at 6 rows in two alternated rounds. Measured on that Zen 5 only, as the float32 limit below.
 FEW_ROWS_BFLOAT16_WITHOUT_AMX = 32
 # Float32's (where asked) built for AVX-512 on that Zen 5: 22.8 ms against oneDNN's packed 28.3 at 16 rows, about
 # even at 24; the busy workload ran 1.09x faster than at 6 rows. AVX2's 16 registers hold fewer sums: 6 stays there.

@@ -1,9 +1,10 @@
 /* The few-row kernels' `block` (`few_rows.c`, `few_rows_float32.c`): their `block_of` called with the row and column
- * counts as constants, so that its loops unroll and the sums stay in registers. With counts known only at run time
- * GCC keeps the sums in memory, a load and a store around every multiply-add: against that code, on a 2-core Zen 5
- * (`python -m bench.few_rows --kernel-source`), the products ran 1.2-3.3x faster in bfloat16 at 1-32 rows and
- * 1.07-1.7x in float32 at 1-8 rows (AVX-512; built for AVX2, where 16 registers cannot hold the 4 x 4 sums, within
- * 11 % either way at 1-4 rows). The includer defines `block_of`, `OUTPUTS`, `ROWS` and the element type `element`. */
+ * counts as constants, so that its loops unroll and the sums stay in registers. With counts known only at run time GCC
+ * keeps the sums in memory, a load and a store around every multiply-add: against that code, on a 2-core Zen 5
+ * (`python -m bench.few_rows --kernel-source`, with few_rows.c's unrolled final sums), the products ran 1.2-3.3x
+ * faster in bfloat16 at 1-32 rows and 1.07-1.7x in float32 at 1-8 rows (AVX-512; built for AVX2, where 16 registers
+ * cannot hold the 4 x 4 sums, within 11 % either way at 1-4 rows). The includer defines `block_of`, `OUTPUTS`, `ROWS`
+ * and the element type `element`. */
 #include <stdint.h>
 
 #if ROWS != 4

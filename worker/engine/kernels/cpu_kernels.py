@@ -511,19 +511,22 @@ def decoder_layer(width: int, dtype: torch.dtype = torch.float32) -> DecoderLaye
 
 def native_bfloat16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16, which every CPU with AMX also has)."""
-    supported = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    return bool(supported is not None and supported())
+    return _torch_reports("_is_avx512_bf16_supported")
 
 
 def avx512() -> bool:
     """Whether this CPU has AVX-512, for which the float32 few-row kernel is built with twice AVX2's vector width."""
-    supported = getattr(torch.cpu, "_is_avx512_supported", None)
-    return bool(supported is not None and supported())
+    return _torch_reports("_is_avx512_supported")
 
 
 def amx() -> bool:
     """Whether this CPU has AMX tiles, on which oneDNN's bfloat16 products outrun the few-row kernel past a few rows."""
-    supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return _torch_reports("_is_amx_tile_supported")
+
+
+def _torch_reports(check: str) -> bool:
+    """torch's own CPU feature check `torch.cpu.<check>()`; False where this torch has none."""
+    supported = getattr(torch.cpu, check, None)
     return bool(supported is not None and supported())
 
 

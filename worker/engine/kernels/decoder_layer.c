@@ -1,6 +1,6 @@
 /* A decoder layer of a few rows in native calls, for the CPU engine's lean layers (loaded by `cpu_kernels.py`,
- * called by `lean_layers.py` for steps of up to `FEW_ROWS` rows): in float32 when the operator asks for the few-row
- * kernel (`LLMQ_FLOAT32_FEW_ROWS`), and built a second time with -DLLMQ_BFLOAT16 for the bfloat16 mode
+ * called by `lean_layers.py` for steps of up to `few_rows_limit` rows): in float32 when the operator asks for the
+ * few-row kernel (`LLMQ_FLOAT32_FEW_ROWS`), and built a second time with -DLLMQ_BFLOAT16 for the bfloat16 mode
  * (`LLMQ_DTYPE=bfloat16`, on CPUs with AVX-512 BF16), where every tensor handed over is bfloat16.
  *
  * A lone request's decode step is bound by reading the weights and by the ~40 small tensor ops a layer runs around

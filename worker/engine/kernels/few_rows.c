@@ -1,5 +1,5 @@
 /* Products of a few bfloat16 rows with a bfloat16 weight, for the CPU engine's decode steps (loaded by
- * `cpu_kernels.py`; `prepack.py` calls it for steps of up to `FEW_ROWS` rows).
+ * `cpu_kernels.py`; `prepack.py` calls it for steps of up to `few_rows_limit` rows).
  *
  * A decode step multiplies a handful of rows by every weight of the model, so it is bound by reading the weights:
  * oneDNN's bf16 kernels read them at about 12.6 GB/s here for one row (a layout made for many rows), this loop at

@@ -1,6 +1,6 @@
 /* Products of a few float32 rows with a float32 weight, for the CPU engine's decode steps when the operator asks
- * for it (`LLMQ_FLOAT32_FEW_ROWS`; loaded by `cpu_kernels.py`, called by `prepack.py` for steps of up to `FEW_ROWS`
- * rows).
+ * for it (`LLMQ_FLOAT32_FEW_ROWS`; loaded by `cpu_kernels.py`, called by `prepack.py` for steps of up to
+ * `few_rows_limit` rows).
  *
  * A decode step multiplies a handful of rows by every weight of the model, so it is bound by reading the weights.
  * oneDNN's packed float32 products read them in a layout made for many rows; this loop reads each weight row once,
