@@ -15,6 +15,7 @@ import asyncio
 import functools
 import json
 import re
+import signal
 import threading
 import uuid
 from collections import Counter
@@ -308,6 +309,9 @@ def test_the_sdks_retries_after_its_own_read_timeouts_start_no_second_generation
 
 
 def test_an_idempotency_key_outlives_the_sdks_own_read_timeouts_as_one_generation(fleet: Fleet, url: str) -> None:
+    """The worker is held (SIGSTOP) while the SDK tries, so every attempt times out however fast this machine
+    generates (a fast CPU finished the long answer inside the SDK's retry window); after it resumes, the attempts'
+    shared key has made one generation, which the next call with the key returns."""
     generations = settled(fleet, 0)
     key = {"Idempotency-Key": f"bb-{uuid.uuid4()}"}
     options: dict[str, Any] = {
@@ -317,8 +321,14 @@ def test_an_idempotency_key_outlives_the_sdks_own_read_timeouts_as_one_generatio
         "temperature": 0,
         "extra_headers": key,
     }
-    with pytest.raises(openai.APITimeoutError):  # every attempt (the SDK's two retries too) gives up first
-        sdk(url, timeout=0.3).chat.completions.create(**options)
+    worker = fleet.stack.worker
+    assert worker is not None
+    worker.popen.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(openai.APITimeoutError):  # every attempt (the SDK's two retries too) gives up first
+            sdk(url, timeout=0.3).chat.completions.create(**options)
+    finally:
+        worker.popen.send_signal(signal.SIGCONT)
     answer = sdk(url).chat.completions.create(**options)
     assert answer.usage is not None and answer.usage.completion_tokens > 100
     assert answer.choices[0].finish_reason in ("stop", "length")
