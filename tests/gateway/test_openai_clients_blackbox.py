@@ -12,6 +12,7 @@ client library's `Job.cancel`. The SDK keeps its default retries (two) wherever 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import json
 import re
@@ -220,10 +221,15 @@ def test_a_tiny_request_timeout_is_one_attempt_answered_408_expired(fleet: Fleet
 def test_a_running_request_past_its_timeout_is_one_408_and_one_cancelled_generation(
     fleet: Fleet, url: str, stream: bool
 ) -> None:
-    """Issue 30's case: `X-Request-Timeout: 1` under default retries made 3 attempts and 3 generations."""
+    """Issue 30's case: `X-Request-Timeout: 1` under default retries made 3 attempts and 3 generations. The worker
+    is held (SIGSTOP) once the request runs, so it is still running at its timeout however fast this machine
+    generates (a fast CPU finished the long answer inside the second)."""
     generations, tries = fleet.generations(), attempts(url)
     cancelled = metric_sum(fleet.metrics_url, "llmq:request_success_total", finished_reason="cancelled")
-    with pytest.raises(openai.APIError) as caught:
+    worker = fleet.stack.worker
+    assert worker is not None
+
+    def call() -> None:
         answer = sdk(url).chat.completions.create(
             model=fleet.model_id,
             messages=ask(LONG_PROMPT),
@@ -234,6 +240,16 @@ def test_a_running_request_past_its_timeout_is_one_408_and_one_cancelled_generat
         )
         if stream:
             list(answer)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        outcome = pool.submit(call)
+        poll(lambda: metric_sum(fleet.metrics_url, "llmq:num_requests_running") >= 1, 20, 0.01, "the request running")
+        worker.popen.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(openai.APIError) as caught:
+                outcome.result(timeout=30)
+        finally:
+            worker.popen.send_signal(signal.SIGCONT)
     if not stream:  # a stream's headers went with its first token: its timeout is an error event
         assert isinstance(caught.value, openai.APIStatusError)
         assert_not_retryable(caught.value, 408, "timeout")
