@@ -7,12 +7,14 @@ each with its own log file. Nothing here imports the gateway or the batch code: 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -68,6 +70,16 @@ class Process:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait(10)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """The process stopped (SIGSTOP) for the block and continued (SIGCONT) however the block ends: what it was
+        doing waits, whatever the machine's speed."""
+        self.popen.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            self.popen.send_signal(signal.SIGCONT)
 
     def tail(self, chars: int = 3000) -> str:
         try:

@@ -16,7 +16,6 @@ import concurrent.futures
 import functools
 import json
 import re
-import signal
 import threading
 import uuid
 from collections import Counter
@@ -244,12 +243,8 @@ def test_a_running_request_past_its_timeout_is_one_408_and_one_cancelled_generat
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         outcome = pool.submit(call)
         poll(lambda: metric_sum(fleet.metrics_url, "llmq:num_requests_running") >= 1, 20, 0.01, "the request running")
-        worker.popen.send_signal(signal.SIGSTOP)
-        try:
-            with pytest.raises(openai.APIError) as caught:
-                outcome.result(timeout=30)
-        finally:
-            worker.popen.send_signal(signal.SIGCONT)
+        with worker.held(), pytest.raises(openai.APIError) as caught:
+            outcome.result(timeout=30)
     if not stream:  # a stream's headers went with its first token: its timeout is an error event
         assert isinstance(caught.value, openai.APIStatusError)
         assert_not_retryable(caught.value, 408, "timeout")
@@ -339,12 +334,8 @@ def test_an_idempotency_key_outlives_the_sdks_own_read_timeouts_as_one_generatio
     }
     worker = fleet.stack.worker
     assert worker is not None
-    worker.popen.send_signal(signal.SIGSTOP)
-    try:
-        with pytest.raises(openai.APITimeoutError):  # every attempt (the SDK's two retries too) gives up first
-            sdk(url, timeout=0.3).chat.completions.create(**options)
-    finally:
-        worker.popen.send_signal(signal.SIGCONT)
+    with worker.held(), pytest.raises(openai.APITimeoutError):  # every attempt (the SDK's retries too) gives up
+        sdk(url, timeout=0.3).chat.completions.create(**options)
     answer = sdk(url).chat.completions.create(**options)
     assert answer.usage is not None and answer.usage.completion_tokens > 100
     assert answer.choices[0].finish_reason in ("stop", "length")
