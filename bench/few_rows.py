@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.nn import functional
 
 from bench.workload import print_json
 from worker.engine import prepack
@@ -54,18 +53,10 @@ def weights_of(shapes: Shapes, dtype: torch.dtype) -> list[torch.Tensor]:
     return [torch.randn(out, width, generator=generator).to(dtype) for width, out in sizes]
 
 
-def onednn(dtype: torch.dtype, weights: list[torch.Tensor]) -> tuple[Product, list[torch.Tensor]]:
-    """What runs above the few-row limit, at the same padded row counts: oneDNN on packed float32 weights, torch's
-    linear (oneDNN too) on bfloat16 ones."""
-    if dtype == torch.float32:
-        return lambda x, packed: prepack.packed_product(x, packed, None), [prepack.pack(w) for w in weights]
-
-    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        count = x.shape[0]
-        padded = functional.pad(x, (0, 0, 0, prepack.row_bucket(count) - count))
-        return functional.linear(padded, weight)[:count]
-
-    return linear, weights
+def onednn(weights: list[torch.Tensor]) -> tuple[Product, list[torch.Tensor]]:
+    """What runs above the few-row limit (`prepack.onednn_product`): oneDNN on packed float32 weights, torch's
+    linear (oneDNN too) on the dense bfloat16 ones."""
+    return lambda x, packed: prepack.onednn_product(x, packed, None), [prepack.pack(w) for w in weights]
 
 
 def kernel_from(source: Path, dtype: torch.dtype) -> cpu_kernels.FewRows:
@@ -141,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     read_gb = sum(weight.numel() * weight.element_size() for weight in weights) / 1e9
     ways: dict[str, tuple[Product, list[torch.Tensor]]] = {
         "few_rows": (lambda x, w: kernel(x, w, None), weights),
-        "onednn": onednn(dtype, weights),
+        "onednn": onednn(weights),
     }
     other_equal = None
     if args.kernel_source is not None:

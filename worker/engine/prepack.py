@@ -119,15 +119,21 @@ def row_bucket(rows: int) -> int:
 def packed_product(
     rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dense: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`rows @ weight.T + bias` for 2-D `rows` and a `pack`ed `weight` of their dtype, run at `row_bucket` rows (zero
-    rows appended, their outputs dropped) so that oneDNN meets a bounded set of shapes. A few rows take the few-row
-    kernel on the dense weight: bfloat16's own (kept dense), or float32's `dense` where given (asked for)."""
-    count = rows.shape[0]
+    """`rows @ weight.T + bias` for 2-D `rows` and a `pack`ed `weight` of their dtype: up to `few_rows_limit` rows
+    by the few-row kernel on the dense weight (bfloat16's own, kept dense, or float32's `dense` where given: asked
+    for), else by oneDNN (`onednn_product`)."""
     plain = dense if weight.is_mkldnn else weight
-    if plain is not None and count <= few_rows_limit(plain.dtype):
+    if plain is not None and rows.shape[0] <= few_rows_limit(plain.dtype):
         few_rows = cpu_kernels.few_rows(plain.dtype)
         if few_rows is not None:
             return few_rows(rows.contiguous(), plain, bias)
+    return onednn_product(rows, weight, bias)
+
+
+def onednn_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`rows @ weight.T + bias` by oneDNN for a `pack`ed `weight`, run at `row_bucket` rows (zero rows appended, their
+    outputs dropped) so that oneDNN meets a bounded set of shapes."""
+    count = rows.shape[0]
     padding = row_bucket(count) - count
     if padding:
         rows = functional.pad(rows, (0, 0, 0, padding))
